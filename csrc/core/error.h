@@ -1,0 +1,65 @@
+// Two error tiers (c10 util/Exception.h): PYDFLASH_CHECK_* for user errors, which the
+// binding layer turns into the matching Python exception, and PYDFLASH_INTERNAL_ASSERT
+// for bugs in pydflash itself.
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace pydflash {
+
+/// Bad argument value: becomes ValueError.
+struct ValueError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+/// Argument of the wrong kind: becomes TypeError.
+struct TypeError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+/// Wrong state (shut down, forked, ...): becomes RuntimeError.
+struct StateError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+/// A wait ran past its timeout: becomes TimeoutError.
+struct TimeoutError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+/// A queued task was cancelled: becomes concurrent.futures.CancelledError.
+struct CancelledError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+/// A CUDA runtime call failed: becomes pydflash.CudaError.
+struct CudaError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+/// A pydflash bug: becomes pydflash.InternalError.
+struct InternalError : std::logic_error {
+  using std::logic_error::logic_error;
+};
+
+namespace detail {
+template <typename... Args>
+std::string str(const Args&... args) {
+  std::ostringstream out;
+  (out << ... << args);
+  return out.str();
+}
+}  // namespace detail
+
+}  // namespace pydflash
+
+#define PYDFLASH_CHECK_TYPED(type, cond, ...)                       \
+  do {                                                              \
+    if (!(cond)) throw ::pydflash::type(::pydflash::detail::str(__VA_ARGS__)); \
+  } while (0)
+#define PYDFLASH_CHECK_VALUE(cond, ...) PYDFLASH_CHECK_TYPED(ValueError, cond, __VA_ARGS__)
+#define PYDFLASH_CHECK_TYPE(cond, ...) PYDFLASH_CHECK_TYPED(TypeError, cond, __VA_ARGS__)
+#define PYDFLASH_CHECK_STATE(cond, ...) PYDFLASH_CHECK_TYPED(StateError, cond, __VA_ARGS__)
+#define PYDFLASH_INTERNAL_ASSERT(cond)                                                   \
+  do {                                                                                   \
+    if (!(cond))                                                                         \
+      throw ::pydflash::InternalError(::pydflash::detail::str(                          \
+          "pydflash internal assert failed: ", #cond, " at ", __FILE__, ":", __LINE__, \
+          "; please report a bug"));                                                     \
+  } while (0)

@@ -1,0 +1,74 @@
+#include "core/future.h"
+
+#include <chrono>
+#include <thread>
+
+#include "core/clock.h"
+#include "core/error.h"
+
+namespace pydflash {
+
+bool FutureState::try_start() {
+  auto expected = FutureStatus::Pending;
+  return status_.compare_exchange_strong(expected, FutureStatus::Running);
+}
+
+bool FutureState::cancel() {
+  auto expected = FutureStatus::Pending;
+  if (status_.compare_exchange_strong(expected, FutureStatus::Cancelled)) {
+    end_ns = now_ns();
+    publish();
+    return true;
+  }
+  return expected == FutureStatus::Cancelled;
+}
+
+bool FutureState::finish() {
+  auto expected = FutureStatus::Running;
+  PYDFLASH_INTERNAL_ASSERT(status_.compare_exchange_strong(expected, FutureStatus::Finished));
+  end_ns = now_ns();
+  return observed();
+}
+
+void FutureState::set_native_error(NativeError kind, std::string message) {
+  native_error_ = kind;
+  native_error_message_ = std::move(message);
+}
+
+void FutureState::publish() {
+  published_.store(true, std::memory_order_seq_cst);
+  if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+    // Taking the mutex orders this notify after a sleeper's check.
+    std::lock_guard<std::mutex> lock(mutex_);
+    cv_.notify_all();
+  }
+}
+
+bool FutureState::wait(double timeout_s, int64_t spin_ns, int64_t slice_ns,
+                       const std::function<bool()>& interrupted) {
+  if (published()) return true;
+  const int64_t start = now_ns();
+  const bool forever = timeout_s < 0;
+  const int64_t deadline = forever ? INT64_MAX : start + static_cast<int64_t>(timeout_s * 1e9);
+  const int64_t spin_until = std::min(deadline, start + spin_ns);
+  while (now_ns() < spin_until) {
+    if (published()) return true;
+    std::this_thread::yield();
+  }
+  for (;;) {
+    if (published()) return true;
+    const int64_t now = now_ns();
+    if (now >= deadline) return false;
+    const int64_t slice = std::min(slice_ns, deadline - now);
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      sleepers_.fetch_add(1, std::memory_order_seq_cst);
+      cv_.wait_for(lock, std::chrono::nanoseconds(slice), [&] { return published(); });
+      sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+    }
+    if (published()) return true;
+    if (interrupted && interrupted()) return false;
+  }
+}
+
+}  // namespace pydflash

@@ -1,0 +1,93 @@
+// The native half of a pydflash future: its state machine, the wait, and what a
+// task that ran without the interpreter left behind. Results of Python tasks live
+// in the Python object (pydflash/_future.py); see Note [Observed futures].
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+
+namespace pydflash {
+
+enum class FutureStatus : int { Pending = 0, Running = 1, Cancelled = 2, Finished = 3 };
+
+/// Kind of error left by a task that ran without the interpreter (graph launches).
+enum class NativeError : int { None = 0, Cuda = 1, Runtime = 2 };
+
+class FutureState {
+ public:
+  explicit FutureState(uint64_t id) : id_(id) {}
+  FutureState(const FutureState&) = delete;
+  FutureState& operator=(const FutureState&) = delete;
+
+  uint64_t id() const { return id_; }
+  FutureStatus status() const { return status_.load(std::memory_order_seq_cst); }
+  bool done() const {
+    auto s = status();
+    return s == FutureStatus::Cancelled || s == FutureStatus::Finished;
+  }
+
+  /// Pending -> Running. False when the task was cancelled first.
+  bool try_start();
+  /// Pending -> Cancelled. True when cancelled now or before; false once running or done.
+  bool cancel();
+  /// Running -> Finished. Returns whether an observer must be notified afterwards.
+  /// See Note [Finish, then publish].
+  bool finish();
+  /// Records an error that carries no Python object; the task still finishes normally.
+  void set_native_error(NativeError kind, std::string message);
+  /// Wakes wait(). Called after finish() or cancel().
+  void publish();
+
+  /// Note [Finish, then publish]: a worker finishes a Python task while it holds the
+  /// GIL (so observers, who also hold it, see a consistent state) but publishes it only
+  /// after it has let the GIL go when it has nothing else queued. A result() that is
+  /// polling for the outcome then takes a free GIL instead of sleeping on it.
+  bool published() const { return published_.load(std::memory_order_acquire); }
+
+  /// Waits until published. spin_ns of polling first (cheap when the result is close), then
+  /// blocks in slices of slice_ns, calling `interrupted` between slices; a true return
+  /// from it abandons the wait. Returns whether the future is done.
+  bool wait(double timeout_s, int64_t spin_ns, int64_t slice_ns,
+            const std::function<bool()>& interrupted);
+
+  /// Note [Observed futures]: a future is "observed" once something other than its
+  /// own result() may need a wake-up (a done callback, concurrent.futures.wait,
+  /// as_completed). The finisher stores the status, then loads `observed`; the observer
+  /// stores `observed`, then loads the status. Both are seq_cst, so at least one side
+  /// sees the other and the notification is never lost. Unobserved futures complete
+  /// without touching the interpreter.
+  void mark_observed() { observed_.store(true, std::memory_order_seq_cst); }
+  bool observed() const { return observed_.load(std::memory_order_seq_cst); }
+
+  NativeError native_error() const { return native_error_; }
+  const std::string& native_error_message() const { return native_error_message_; }
+
+  /// CUDA event recorded on the lane's stream after the task (null on CPU lanes).
+  /// Shared so that it returns to the lane's pool when the last holder lets go.
+  void* event() const { return event_.get(); }
+  void set_event(std::shared_ptr<void> event) { event_ = std::move(event); }
+
+  /// Wall-clock span of the task, for stats and traces.
+  std::atomic<int64_t> submit_ns{0};
+  std::atomic<int64_t> start_ns{0};
+  std::atomic<int64_t> end_ns{0};
+
+ private:
+  const uint64_t id_;
+  std::atomic<FutureStatus> status_{FutureStatus::Pending};
+  std::atomic<bool> observed_{false};
+  std::atomic<bool> published_{false};
+  std::atomic<int> sleepers_{0};
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  NativeError native_error_ = NativeError::None;
+  std::string native_error_message_;
+  std::shared_ptr<void> event_;
+};
+
+}  // namespace pydflash

@@ -1,0 +1,292 @@
+#include "core/lane.h"
+
+#include <unistd.h>
+
+#include <chrono>
+
+#include "core/clock.h"
+#include "core/error.h"
+#include "cuda/device_api.h"
+
+namespace pydflash {
+
+// Events outlive neither the need nor the process: futures hold them through a
+// shared_ptr whose deleter returns them here for reuse.
+struct Lane::EventPool {
+  int device;
+  std::mutex mutex;
+  std::vector<void*> free;
+
+  void* take() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!free.empty()) {
+        void* e = free.back();
+        free.pop_back();
+        return e;
+      }
+    }
+    return device::create_event(device, /*timing=*/false);
+  }
+  void give(void* e) {
+    std::lock_guard<std::mutex> lock(mutex);
+    free.push_back(e);
+  }
+};
+
+Lane::Lane(int index, int device, std::shared_ptr<Interpreter> interpreter, LaneOptions options)
+    : index_(index),
+      device_(device),
+      owner_pid_(static_cast<int>(getpid())),
+      interpreter_(std::move(interpreter)),
+      options_(options),
+      events_(std::make_shared<EventPool>()) {
+  PYDFLASH_INTERNAL_ASSERT(interpreter_ != nullptr);
+  events_->device = device;
+  if (is_gpu()) {
+    // Note [CUDA objects at exit]: created once, never destroyed.
+    stream_ = device::create_stream(device, options.stream_priority);
+    copy_stream_ = device::create_stream(device, options.stream_priority);
+  }
+}
+
+Lane::~Lane() {
+  if (thread_ == nullptr) return;
+  if (forked() || thread_->get_id() == std::this_thread::get_id()) {
+    // In a forked child the thread never existed; on the worker itself it cannot be
+    // joined. Either way the std::thread is leaked rather than destroyed joinable.
+    if (!forked()) thread_->detach();
+    if (!forked()) delete thread_;
+    return;
+  }
+  queue_.close();
+  if (thread_->joinable()) thread_->join();
+  delete thread_;
+}
+
+bool Lane::forked() const { return static_cast<int>(getpid()) != owner_pid_; }
+
+void Lane::start() {
+  PYDFLASH_INTERNAL_ASSERT(thread_ == nullptr);
+  // The worker keeps the lane alive until it exits.
+  auto self = shared_from_this();
+  thread_ = new std::thread([self] { self->worker_main(); });
+}
+
+std::shared_ptr<FutureState> Lane::new_future() {
+  PYDFLASH_CHECK_STATE(!forked(), "this dispatcher was created in process ", owner_pid_,
+                       " and cannot be used in a forked child (pid ", getpid(),
+                       "); create a new Dispatcher in the child");
+  PYDFLASH_CHECK_STATE(!queue_.closed(), "cannot submit to lane ", index_, " after shutdown");
+  return std::make_shared<FutureState>(next_id_.fetch_add(1, std::memory_order_relaxed));
+}
+
+void Lane::submit(std::shared_ptr<FutureState> future, std::unique_ptr<TaskBody> body) {
+  future->submit_ns = now_ns();
+  submitted_.fetch_add(1, std::memory_order_relaxed);
+  if (!queue_.push(Task{std::move(future), std::move(body)})) {
+    submitted_.fetch_sub(1, std::memory_order_relaxed);
+    throw StateError(detail::str("cannot submit to lane ", index_, " after shutdown"));
+  }
+}
+
+void Lane::post_internal(std::unique_ptr<TaskBody> body) {
+  queue_.push_internal(Task{nullptr, std::move(body)});
+}
+
+void Lane::device_work_finished() {
+  completed_.fetch_add(1, std::memory_order_relaxed);
+  if (on_device_.fetch_sub(1) == 1) queue_.wake();
+}
+
+std::vector<Task> Lane::shutdown(bool cancel) {
+  queue_.close();
+  if (!cancel) return {};
+  std::vector<Task> taken = queue_.take_all();
+  std::vector<Task> cancelled;
+  for (auto& task : taken) {
+    if (!task.future) {
+      // A completion that must still run: put it back for the worker.
+      queue_.push_internal(std::move(task));
+      continue;
+    }
+    if (task.future->cancel()) cancelled_.fetch_add(1, std::memory_order_relaxed);
+    cancelled.push_back(std::move(task));
+  }
+  return cancelled;
+}
+
+bool Lane::join(double timeout_s) {
+  if (thread_ == nullptr) return true;
+  PYDFLASH_CHECK_STATE(!forked(), "cannot join lane ", index_, " in a forked child");
+  PYDFLASH_CHECK_STATE(thread_->get_id() != std::this_thread::get_id(),
+                       "a task cannot wait for its own lane to shut down (lane ", index_, ")");
+  {
+    std::unique_lock<std::mutex> lock(exit_mutex_);
+    if (timeout_s < 0) {
+      exit_cv_.wait(lock, [&] { return exited_; });
+    } else if (!exit_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                                  [&] { return exited_; })) {
+      return false;
+    }
+  }
+  if (thread_->joinable()) thread_->join();
+  return true;
+}
+
+uint64_t Lane::load() const {
+  return queue_.size() + (running_task_.load(std::memory_order_relaxed) ? 1 : 0) +
+         static_cast<uint64_t>(on_device_.load(std::memory_order_relaxed));
+}
+
+LaneStats Lane::stats() const {
+  LaneStats s;
+  s.submitted = submitted_.load();
+  s.completed = completed_.load();
+  s.cancelled = cancelled_.load();
+  s.queued = queue_.size();
+  s.running = running_task_.load() ? 1 : 0;
+  s.on_device = static_cast<uint64_t>(on_device_.load());
+  s.busy_ns = busy_ns_.load();
+  s.queue_wait_ns = queue_wait_ns_.load();
+  return s;
+}
+
+std::shared_ptr<void> Lane::record_event() {
+  if (!is_gpu()) return nullptr;
+  void* event = events_->take();
+  std::weak_ptr<EventPool> pool = events_;
+  std::shared_ptr<void> owned(event, [pool](void* e) {
+    if (auto p = pool.lock()) {
+      p->give(e);
+    } else {
+      device::destroy_event(e);
+    }
+  });
+  device::record_event(event, stream_);
+  return owned;
+}
+
+void Lane::set_tracing(bool on) {
+  std::lock_guard<std::mutex> lock(trace_mutex_);
+  if (on && !tracing_.load()) {
+    trace_.clear();
+    if (is_gpu()) {
+      if (trace_epoch_event_ == nullptr)
+        trace_epoch_event_ = device::create_event(device_, /*timing=*/true);
+      device::record_event(trace_epoch_event_, stream_);
+      device::synchronize_event(trace_epoch_event_);
+    }
+    trace_epoch_ns_ = now_ns();
+  }
+  tracing_.store(on);
+}
+
+std::vector<TraceRecord> Lane::take_trace() {
+  std::lock_guard<std::mutex> lock(trace_mutex_);
+  std::vector<TraceRecord> out;
+  out.swap(trace_);
+  return out;
+}
+
+void Lane::enter(bool& entered) {
+  if (!entered) {
+    interpreter_->enter();
+    entered = true;
+  }
+}
+
+void Lane::leave(bool& entered) {
+  if (entered) {
+    interpreter_->leave();
+    entered = false;
+  }
+}
+
+void Lane::worker_main() {
+  if (is_gpu()) device::set_device(device_);
+  interpreter_->thread_started(*this);
+  bool entered = false;
+  Task task;
+  for (;;) {
+    if (!queue_.try_pop(task)) {
+      // Idle: give the interpreter back before polling and sleeping.
+      leave(entered);
+      if (!queue_.pop_wait(task, options_.spin_ns, [&] { return on_device_.load() == 0; }))
+        break;
+    }
+    run_one(task, entered);
+  }
+  leave(entered);
+  interpreter_->thread_exiting();
+  {
+    std::lock_guard<std::mutex> lock(exit_mutex_);
+    exited_ = true;
+  }
+  exit_cv_.notify_all();
+}
+
+void Lane::run_one(Task& task, bool& entered) {
+  std::shared_ptr<FutureState> future = std::move(task.future);
+  std::unique_ptr<TaskBody> body = std::move(task.body);
+  if (body->needs_interpreter()) {
+    enter(entered);
+  } else {
+    leave(entered);
+  }
+  auto destroy = [&] {
+    if (body->needs_interpreter_to_destroy()) enter(entered);
+    body.reset();
+  };
+  if (!future) {  // internal work: a completion of device work
+    body->run(*this, nullptr);
+    destroy();
+    return;
+  }
+  if (!future->try_start()) {
+    destroy();  // cancelled while queued; whoever cancelled it published and notified
+    return;
+  }
+  const bool trace = tracing();
+  TraceRecord record;
+  if (trace && is_gpu()) {
+    record.gpu_begin = device::create_event(device_, /*timing=*/true);
+    device::record_event(record.gpu_begin, stream_);
+  }
+  running_task_.store(true, std::memory_order_relaxed);
+  future->start_ns = now_ns();
+  queue_wait_ns_.fetch_add(future->start_ns.load() - future->submit_ns.load(),
+                           std::memory_order_relaxed);
+  const bool complete = body->run(*this, future.get());
+  const int64_t end = now_ns();
+  busy_ns_.fetch_add(end - future->start_ns.load(), std::memory_order_relaxed);
+  running_task_.store(false, std::memory_order_relaxed);
+  if (trace) {
+    if (is_gpu()) {
+      record.gpu_end = device::create_event(device_, /*timing=*/true);
+      device::record_event(record.gpu_end, stream_);
+    }
+    record.id = future->id();
+    record.label = body->label();
+    record.submit_ns = future->submit_ns;
+    record.start_ns = future->start_ns;
+    record.end_ns = end;
+    std::lock_guard<std::mutex> lock(trace_mutex_);
+    trace_.push_back(std::move(record));
+  }
+  if (!complete) {
+    destroy();  // device work: the body handed what it must keep to its completion
+    return;
+  }
+  completed_.fetch_add(1, std::memory_order_relaxed);
+  if (future->finish()) {
+    enter(entered);
+    body->notify(*future);
+  }
+  destroy();
+  // Note [Finish, then publish].
+  if (queue_.size() == 0) leave(entered);
+  future->publish();
+}
+
+}  // namespace pydflash

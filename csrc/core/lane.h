@@ -1,0 +1,170 @@
+// A lane: one native worker thread bound to one device (a GPU ordinal, or -1 for the
+// CPU), its own streams, a FIFO of tasks, and counters. The core knows nothing about
+// Python: tasks that need the interpreter say so, and the Interpreter hooks (the GIL,
+// in csrc/python) are entered only while such tasks run.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/future.h"
+#include "core/task_queue.h"
+
+namespace pydflash {
+
+class Lane;
+
+/// What a worker holds to run tasks that need it. Called only on the worker thread.
+class Interpreter {
+ public:
+  virtual ~Interpreter() = default;
+  /// First thing on the worker thread, before any task; not entered.
+  virtual void thread_started(Lane&) {}
+  virtual void enter() = 0;
+  virtual void leave() = 0;
+  /// Last thing on the worker thread; not entered.
+  virtual void thread_exiting() {}
+};
+
+class TaskBody {
+ public:
+  virtual ~TaskBody() = default;
+  virtual bool needs_interpreter() const = 0;
+  /// Whether the body still holds interpreter objects, so must be destroyed entered.
+  virtual bool needs_interpreter_to_destroy() const { return needs_interpreter(); }
+  /// Runs the task and records its outcome; `future` is null for internal work.
+  /// Returns true when the task is complete; false when its completion arrives later
+  /// (work still on the GPU). Must not throw: failures are outcomes.
+  virtual bool run(Lane& lane, FutureState* future) = 0;
+  /// Entered; called once the finished future is observed (Note [Observed futures]).
+  virtual void notify(FutureState&) {}
+  /// Label for traces.
+  virtual std::string label() const { return "task"; }
+};
+
+struct Task {
+  std::shared_ptr<FutureState> future;  // null for internal work (completions)
+  std::unique_ptr<TaskBody> body;
+};
+
+struct LaneOptions {
+  int64_t spin_ns = 50'000;  // how long an idle worker polls before sleeping
+  int stream_priority = 0;
+};
+
+struct LaneStats {
+  uint64_t submitted = 0;
+  uint64_t completed = 0;
+  uint64_t cancelled = 0;
+  uint64_t queued = 0;
+  uint64_t running = 0;
+  uint64_t on_device = 0;
+  int64_t busy_ns = 0;
+  int64_t queue_wait_ns = 0;
+};
+
+/// One task as the trace sees it: host times, and the lane-stream events around it
+/// on GPU lanes (timing events, recorded only while tracing).
+struct TraceRecord {
+  uint64_t id = 0;
+  std::string label;
+  int64_t submit_ns = 0;
+  int64_t start_ns = 0;
+  int64_t end_ns = 0;
+  void* gpu_begin = nullptr;
+  void* gpu_end = nullptr;
+};
+
+class Lane : public std::enable_shared_from_this<Lane> {
+ public:
+  /// device: GPU ordinal, or -1 for a CPU lane. Creates the streams (GPU lanes) here,
+  /// on the calling thread; start() launches the worker.
+  Lane(int index, int device, std::shared_ptr<Interpreter> interpreter, LaneOptions options);
+  ~Lane();
+  Lane(const Lane&) = delete;
+  Lane& operator=(const Lane&) = delete;
+
+  void start();
+  int index() const { return index_; }
+  int device() const { return device_; }
+  bool is_gpu() const { return device_ >= 0; }
+  void* stream() const { return stream_; }
+  void* copy_stream() const { return copy_stream_; }
+
+  /// A future for the next task (ids are per lane).
+  std::shared_ptr<FutureState> new_future();
+  /// Queues a task. Throws StateError after shutdown or in a forked child.
+  void submit(std::shared_ptr<FutureState> future, std::unique_ptr<TaskBody> body);
+  /// Queues internal work (a completion). Accepted during shutdown.
+  void post_internal(std::unique_ptr<TaskBody> body);
+  /// Work launched on the device whose completion will be posted later.
+  void device_work_started() { on_device_.fetch_add(1); }
+  void device_work_finished();
+
+  /// Closes the queue. With cancel, returns the queued tasks with their futures
+  /// cancelled; the caller notifies observers and destroys them (it may hold the GIL).
+  std::vector<Task> shutdown(bool cancel);
+  /// Waits for the worker to finish everything queued and exit. False on timeout
+  /// (timeout_s < 0 waits forever).
+  bool join(double timeout_s);
+  bool closed() const { return queue_.closed(); }
+  bool forked() const;
+
+  /// Queued plus running plus on the device: what least-busy placement compares.
+  uint64_t load() const;
+  LaneStats stats() const;
+
+  /// An event recorded on the lane stream now (GPU lanes), for results and handoffs.
+  std::shared_ptr<void> record_event();
+
+  void set_tracing(bool on);
+  bool tracing() const { return tracing_.load(std::memory_order_relaxed); }
+  /// Takes the records gathered so far, with the epoch they are relative to on the
+  /// GPU: (host ns, event) recorded together when tracing started.
+  std::vector<TraceRecord> take_trace();
+  int64_t trace_epoch_ns() const { return trace_epoch_ns_; }
+  void* trace_epoch_event() const { return trace_epoch_event_; }
+
+ private:
+  void worker_main();
+  void run_one(Task& task, bool& entered);
+  void enter(bool& entered);
+  void leave(bool& entered);
+
+  const int index_;
+  const int device_;
+  const int owner_pid_;
+  std::shared_ptr<Interpreter> interpreter_;
+  const LaneOptions options_;
+  void* stream_ = nullptr;
+  void* copy_stream_ = nullptr;
+
+  TaskQueue<Task> queue_;
+  std::thread* thread_ = nullptr;  // leaked in a forked child: its thread does not exist there
+  std::atomic<bool> running_task_{false};
+  std::atomic<int64_t> on_device_{0};
+  std::atomic<uint64_t> next_id_{1};
+  std::atomic<uint64_t> submitted_{0}, completed_{0}, cancelled_{0};
+  std::atomic<int64_t> busy_ns_{0}, queue_wait_ns_{0};
+
+  std::mutex exit_mutex_;
+  std::condition_variable exit_cv_;
+  bool exited_ = false;
+
+  struct EventPool;
+  std::shared_ptr<EventPool> events_;
+
+  std::atomic<bool> tracing_{false};
+  std::mutex trace_mutex_;
+  std::vector<TraceRecord> trace_;
+  int64_t trace_epoch_ns_ = 0;
+  void* trace_epoch_event_ = nullptr;
+};
+
+}  // namespace pydflash

@@ -1,0 +1,118 @@
+// A FIFO of tasks for one lane worker: many producers, one consumer. The consumer
+// polls briefly before sleeping, and producers skip the wake-up syscall while it polls.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "core/clock.h"
+
+namespace pydflash {
+
+template <typename T>
+class TaskQueue {
+ public:
+  /// False when the queue is closed; the item is not taken then.
+  bool push(T item) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (closed_) return false;
+      items_.push_back(std::move(item));
+      size_.store(items_.size(), std::memory_order_seq_cst);
+    }
+    if (sleeping_.load(std::memory_order_seq_cst)) cv_.notify_one();
+    return true;
+  }
+
+  /// Pushes even when closed: completions of work already started must still arrive.
+  void push_internal(T item) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      items_.push_back(std::move(item));
+      size_.store(items_.size(), std::memory_order_seq_cst);
+    }
+    cv_.notify_one();
+  }
+
+  bool try_pop(T& out) {
+    if (size_.load(std::memory_order_seq_cst) == 0) return false;
+    std::lock_guard<std::mutex> lock(mutex_);
+    return pop_locked(out);
+  }
+
+  /// Blocks until an item arrives or `stop()` says the consumer may leave; polls for
+  /// spin_ns first. Returns false when it left without an item.
+  template <typename StopFn>
+  bool pop_wait(T& out, int64_t spin_ns, StopFn stop) {
+    const int64_t spin_until = now_ns() + spin_ns;
+    while (now_ns() < spin_until) {
+      if (try_pop(out)) return true;
+      std::this_thread::yield();
+    }
+    std::unique_lock<std::mutex> lock(mutex_);
+    sleeping_.store(true, std::memory_order_seq_cst);
+    cv_.wait(lock, [&] { return !items_.empty() || stop_locked(stop); });
+    sleeping_.store(false, std::memory_order_seq_cst);
+    return pop_locked(out);
+  }
+
+  void close() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      closed_ = true;
+    }
+    cv_.notify_all();
+  }
+
+  /// Wakes the consumer to re-check its stop condition.
+  void wake() {
+    { std::lock_guard<std::mutex> lock(mutex_); }
+    cv_.notify_all();
+  }
+
+  bool closed() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return closed_;
+  }
+
+  std::size_t size() const { return size_.load(std::memory_order_relaxed); }
+
+  /// Removes everything queued, in order.
+  std::vector<T> take_all() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<T> out;
+    out.reserve(items_.size());
+    for (auto& item : items_) out.push_back(std::move(item));
+    items_.clear();
+    size_.store(0, std::memory_order_seq_cst);
+    return out;
+  }
+
+ private:
+  bool pop_locked(T& out) {
+    if (items_.empty()) return false;
+    out = std::move(items_.front());
+    items_.pop_front();
+    size_.store(items_.size(), std::memory_order_seq_cst);
+    return true;
+  }
+
+  template <typename StopFn>
+  bool stop_locked(StopFn& stop) {
+    return closed_ && stop();
+  }
+
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<T> items_;
+  std::atomic<std::size_t> size_{0};
+  std::atomic<bool> sleeping_{false};
+  bool closed_ = false;
+};
+
+}  // namespace pydflash

@@ -1,0 +1,113 @@
+#include <cuda_runtime.h>
+
+#include "cuda/cuda_check.h"
+#include "cuda/device_api.h"
+
+// Note [CUDA objects at exit]: lane streams are created once and never destroyed.
+// Destroying CUDA objects from static destructors races the driver's own teardown
+// at process exit (c10 leaks its stream pools for the same reason).
+
+namespace pydflash::device {
+namespace {
+
+cudaError_t count_devices(int* count) {
+  *count = 0;
+  cudaError_t err = cudaGetDeviceCount(count);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    *count = 0;
+  }
+  return err;
+}
+
+}  // namespace
+
+bool compiled_with_cuda() { return true; }
+
+int device_count() {
+  int count = 0;
+  count_devices(&count);
+  return count;
+}
+
+std::string unavailable_reason() {
+  int count = 0;
+  cudaError_t err = count_devices(&count);
+  if (err != cudaSuccess) return cudaGetErrorString(err);
+  return count == 0 ? "no CUDA device is visible" : "";
+}
+
+int runtime_version() {
+  int v = 0;
+  if (cudaRuntimeGetVersion(&v) != cudaSuccess) (void)cudaGetLastError();
+  return v;
+}
+
+int driver_version() {
+  int v = 0;
+  if (cudaDriverGetVersion(&v) != cudaSuccess) (void)cudaGetLastError();
+  return v;
+}
+
+void set_device(int device) { PYDFLASH_CUDA_CHECK(cudaSetDevice(device)); }
+
+Stream create_stream(int device, int priority) {
+  PYDFLASH_CUDA_CHECK(cudaSetDevice(device));
+  cudaStream_t stream = nullptr;
+  PYDFLASH_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, priority));
+  return stream;
+}
+
+Event create_event(int device, bool timing) {
+  PYDFLASH_CUDA_CHECK(cudaSetDevice(device));
+  cudaEvent_t event = nullptr;
+  PYDFLASH_CUDA_CHECK(
+      cudaEventCreateWithFlags(&event, timing ? cudaEventDefault : cudaEventDisableTiming));
+  return event;
+}
+
+void destroy_event(Event event) { (void)cudaEventDestroy(static_cast<cudaEvent_t>(event)); }
+
+void record_event(Event event, Stream stream) {
+  PYDFLASH_CUDA_CHECK(
+      cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
+}
+
+bool query_event(Event event) {
+  cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  if (err == cudaErrorNotReady) return false;
+  PYDFLASH_CUDA_CHECK(err);
+  return true;
+}
+
+void synchronize_event(Event event) {
+  PYDFLASH_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+}
+
+void synchronize_stream(Stream stream) {
+  PYDFLASH_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+}
+
+void stream_wait_event(Stream stream, Event event) {
+  PYDFLASH_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
+                                          static_cast<cudaEvent_t>(event), 0));
+}
+
+float elapsed_ms(Event start, Event end) {
+  float ms = 0;
+  PYDFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start),
+                                           static_cast<cudaEvent_t>(end)));
+  return ms;
+}
+
+void launch_host_func(Stream stream, void (*fn)(void*), void* arg) {
+  PYDFLASH_CUDA_CHECK(cudaLaunchHostFunc(static_cast<cudaStream_t>(stream), fn, arg));
+}
+
+void launch_graph(uintptr_t graph_exec, Stream stream) {
+  PYDFLASH_CHECK_VALUE(graph_exec != 0, "expected a captured CUDA graph, got a null handle");
+  PYDFLASH_CUDA_CHECK(cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(graph_exec),
+                                      static_cast<cudaStream_t>(stream)));
+}
+
+}  // namespace pydflash::device

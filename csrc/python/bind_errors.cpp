@@ -1,0 +1,46 @@
+// Maps the core's typed C++ errors onto Python exceptions (one test each in
+// tests/test_errors.py). pydflash-specific types live in pydflash/errors.py.
+#include <pybind11/pybind11.h>
+
+#include "core/error.h"
+#include "python/bindings.h"
+
+namespace py = pybind11;
+
+namespace pydflash::python {
+namespace {
+
+void set_error_from_module(const char* module, const char* name, const char* what) {
+  try {
+    py::object type = py::module_::import(module).attr(name);
+    PyErr_SetString(type.ptr(), what);
+  } catch (py::error_already_set& e) {
+    e.restore();  // the import failed: report that instead
+  }
+}
+
+}  // namespace
+
+void init_errors(py::module_&) {
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what());
+    } catch (const StateError& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    } catch (const TimeoutError& e) {
+      PyErr_SetString(PyExc_TimeoutError, e.what());
+    } catch (const CancelledError& e) {
+      set_error_from_module("concurrent.futures", "CancelledError", e.what());
+    } catch (const CudaError& e) {
+      set_error_from_module("pydflash.errors", "CudaError", e.what());
+    } catch (const InternalError& e) {
+      set_error_from_module("pydflash.errors", "InternalError", e.what());
+    }
+  });
+}
+
+}  // namespace pydflash::python

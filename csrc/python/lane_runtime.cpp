@@ -1,0 +1,344 @@
+#include "python/lane_runtime.h"
+
+#include "core/error.h"
+#include "cuda/device_api.h"
+
+namespace py = pybind11;
+
+namespace pydflash::python {
+namespace {
+
+// Torch functions used on every submit, looked up once torch is imported. Leaked on
+// purpose: they must outlive every lane, and torch outlives us anyway.
+struct TorchApi {
+  PyObject* is_grad_enabled;
+  PyObject* set_grad_enabled;
+  PyObject* is_inference_mode_enabled;
+  PyObject* is_autocast_enabled;
+  PyObject* str_cuda;
+  PyObject* str_cpu;
+
+  /// Null until torch is in sys.modules. Entered.
+  static const TorchApi* get() {
+    static TorchApi* api = nullptr;
+    if (api != nullptr) return api;
+    PyObject* modules = PyImport_GetModuleDict();
+    PyObject* torch = PyDict_GetItemString(modules, "torch");  // borrowed
+    if (torch == nullptr) return nullptr;
+    auto attr = [](PyObject* obj, const char* name) {
+      PyObject* value = PyObject_GetAttrString(obj, name);
+      if (value == nullptr) throw py::error_already_set();
+      return value;
+    };
+    PyObject* torch_c = attr(torch, "_C");
+    auto* fresh = new TorchApi{attr(torch, "is_grad_enabled"),
+                               attr(torch_c, "_set_grad_enabled"),
+                               attr(torch, "is_inference_mode_enabled"),
+                               attr(torch, "is_autocast_enabled"),
+                               PyUnicode_InternFromString("cuda"),
+                               PyUnicode_InternFromString("cpu")};
+    Py_DECREF(torch_c);
+    api = fresh;
+    return api;
+  }
+};
+
+bool call_bool(PyObject* fn, PyObject* arg = nullptr) {
+  PyObject* r = arg ? PyObject_CallOneArg(fn, arg) : PyObject_CallNoArgs(fn);
+  if (r == nullptr) throw py::error_already_set();
+  const bool value = (r == Py_True);
+  Py_DECREF(r);
+  return value;
+}
+
+py::object import_attr(const char* module, const char* name) {
+  return py::module_::import(module).attr(name);
+}
+
+// Stores the task's outcome on the Python future: `_result`, or `_exception` with a
+// note naming the lane. Entered; consumes `result` (null means an exception is set).
+void store_outcome(PyObject* future, PyObject* result, const std::string& label) {
+  if (result != nullptr) {
+    if (PyObject_SetAttrString(future, "_result", result) < 0) PyErr_WriteUnraisable(future);
+    Py_DECREF(result);
+    return;
+  }
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  PyErr_NormalizeException(&type, &value, &tb);
+  if (tb != nullptr) PyException_SetTraceback(value, tb);
+  const std::string note = "raised in pydflash " + label;
+  PyObject* r = PyObject_CallMethod(value, "add_note", "s", note.c_str());
+  if (r == nullptr) PyErr_Clear();
+  Py_XDECREF(r);
+  if (PyObject_SetAttrString(future, "_exception", value) < 0) PyErr_WriteUnraisable(future);
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(tb);
+}
+
+class PythonTask final : public TaskBody {
+ public:
+  PythonTask(std::shared_ptr<LaneRuntime> rt, py::object fn, py::tuple args, py::object kwargs,
+             py::object future, TorchSnapshot torch, std::string label)
+      : rt_(std::move(rt)),
+        fn_(std::move(fn)),
+        args_(std::move(args)),
+        kwargs_(std::move(kwargs)),
+        future_(std::move(future)),
+        torch_(std::move(torch)),
+        label_(std::move(label)) {}
+
+  bool needs_interpreter() const override { return true; }
+
+  bool run(Lane& lane, FutureState* state) override {
+    PyObject* result = nullptr;
+    try {
+      rt_->prepare_task(lane);
+      result = call();
+    } catch (py::error_already_set& e) {
+      e.restore();
+    } catch (const std::exception& e) {
+      py::set_error(PyExc_RuntimeError, e.what());
+    }
+    if (lane.is_gpu()) {
+      try {
+        state->set_event(lane.record_event());
+      } catch (const std::exception& e) {
+        if (result != nullptr) {
+          Py_CLEAR(result);
+          PyErr_SetString(import_attr("pydflash.errors", "CudaError").ptr(), e.what());
+        }
+      }
+    }
+    store_outcome(future_.ptr(), result, rt_->label);
+    return true;
+  }
+
+  void notify(FutureState&) override { notify_python_future(future_.ptr()); }
+  std::string label() const override { return label_; }
+
+ private:
+  PyObject* call() {
+    if (torch_.captured) {
+      const TorchApi* api = TorchApi::get();
+      PyObject* r = PyObject_CallOneArg(api->set_grad_enabled, torch_.grad ? Py_True : Py_False);
+      if (r == nullptr) throw py::error_already_set();
+      Py_DECREF(r);
+    }
+    if (torch_.special) {
+      static PyObject* call_in_state =
+          import_attr("pydflash._torch_state", "call_in_state").release().ptr();
+      PyObject* kwargs = kwargs_.is_none() ? PyDict_New() : kwargs_.inc_ref().ptr();
+      PyObject* r = PyObject_CallFunctionObjArgs(call_in_state, torch_.special.ptr(), fn_.ptr(),
+                                                 args_.ptr(), kwargs, nullptr);
+      Py_DECREF(kwargs);
+      return r;
+    }
+    return PyObject_Call(fn_.ptr(), args_.ptr(), kwargs_.is_none() ? nullptr : kwargs_.ptr());
+  }
+
+  std::shared_ptr<LaneRuntime> rt_;
+  py::object fn_;
+  py::tuple args_;
+  py::object kwargs_;
+  py::object future_;
+  TorchSnapshot torch_;
+  std::string label_;
+};
+
+// A captured CUDA graph, launched without the GIL. The future completes when the
+// GPU reaches the end of the graph: a host function on the lane stream finishes it,
+// then posts a GraphRelease to drop the graph (and its memory pool) under the GIL.
+class GraphTask final : public TaskBody {
+ public:
+  GraphTask(std::shared_ptr<LaneRuntime> rt, uintptr_t exec, py::object keepalive,
+            py::object future)
+      : rt_(std::move(rt)),
+        exec_(exec),
+        keepalive_(keepalive.release().ptr()),
+        future_(future.release().ptr()) {}
+
+  ~GraphTask() override {
+    // Only reached with references still held when entered (cancelled, or failed).
+    Py_XDECREF(keepalive_);
+    Py_XDECREF(future_);
+  }
+
+  bool needs_interpreter() const override { return false; }
+  bool needs_interpreter_to_destroy() const override { return future_ != nullptr; }
+
+  bool run(Lane& lane, FutureState* state) override;
+  void notify(FutureState&) override { notify_python_future(future_); }
+  std::string label() const override { return "graph"; }
+
+ private:
+  friend struct GraphCompletion;
+  std::shared_ptr<LaneRuntime> rt_;
+  uintptr_t exec_;
+  PyObject* keepalive_;
+  PyObject* future_;
+};
+
+struct GraphCompletion {
+  Lane* lane;  // alive: its worker waits for device work before it exits
+  std::shared_ptr<FutureState> state;
+  PyObject* keepalive;
+  PyObject* future;
+  bool observed = false;
+};
+
+class GraphRelease final : public TaskBody {
+ public:
+  explicit GraphRelease(GraphCompletion* done) : done_(done) {}
+  bool needs_interpreter() const override { return true; }
+  bool run(Lane& lane, FutureState*) override {
+    if (done_->observed) notify_python_future(done_->future);
+    Py_XDECREF(done_->keepalive);
+    Py_XDECREF(done_->future);
+    lane.device_work_finished();
+    return true;
+  }
+
+ private:
+  std::unique_ptr<GraphCompletion> done_;
+};
+
+// Runs on a CUDA driver thread: no CUDA calls, no GIL.
+void on_graph_done(void* arg) {
+  auto* done = static_cast<GraphCompletion*>(arg);
+  done->observed = done->state->finish();
+  done->state->publish();
+  done->lane->post_internal(std::make_unique<GraphRelease>(done));
+}
+
+bool GraphTask::run(Lane& lane, FutureState* state) {
+  try {
+    device::launch_graph(exec_, lane.stream());
+    state->set_event(lane.record_event());
+  } catch (const std::exception& e) {
+    state->set_native_error(NativeError::Cuda, rt_->label + ": " + e.what());
+    return true;  // nothing reached the GPU; the worker finishes the future
+  }
+  // Non-owning: the Python future the completion keeps holds the state.
+  auto* done = new GraphCompletion{
+      &lane, std::shared_ptr<FutureState>(std::shared_ptr<FutureState>{}, state), keepalive_,
+      future_};
+  keepalive_ = future_ = nullptr;
+  lane.device_work_started();
+  try {
+    device::launch_host_func(lane.stream(), &on_graph_done, done);
+  } catch (const std::exception&) {
+    // Could not be told when the GPU is done: wait for it here instead.
+    device::synchronize_stream(lane.stream());
+    on_graph_done(done);
+  }
+  return false;
+}
+
+}  // namespace
+
+TorchSnapshot TorchSnapshot::capture() {
+  TorchSnapshot snap;
+  const TorchApi* api = TorchApi::get();
+  if (api == nullptr) return snap;
+  snap.captured = true;
+  snap.grad = call_bool(api->is_grad_enabled);
+  if (call_bool(api->is_inference_mode_enabled) ||
+      call_bool(api->is_autocast_enabled, api->str_cuda) ||
+      call_bool(api->is_autocast_enabled, api->str_cpu)) {
+    static PyObject* capture = import_attr("pydflash._torch_state", "capture").release().ptr();
+    PyObject* state = PyObject_CallNoArgs(capture);
+    if (state == nullptr) throw py::error_already_set();
+    snap.special = py::reinterpret_steal<py::object>(state);
+  }
+  return snap;
+}
+
+LaneRuntime::LaneRuntime(std::string label_, py::object future_type)
+    : label(std::move(label_)),
+      interp_(PyInterpreterState_Get()),
+      future_type_(future_type.release().ptr()) {}
+
+LaneRuntime::~LaneRuntime() {
+  // Python references were dropped entered in thread_exiting(); a lane whose worker
+  // never ran leaks them rather than touching Python without the GIL.
+}
+
+void LaneRuntime::thread_started(Lane&) { tstate_ = PyThreadState_New(interp_); }
+
+void LaneRuntime::enter() { PyEval_RestoreThread(tstate_); }
+
+void LaneRuntime::leave() { PyEval_SaveThread(); }
+
+void LaneRuntime::thread_exiting() {
+  PyEval_RestoreThread(tstate_);
+  Py_CLEAR(future_type_);
+  Py_CLEAR(set_stream_);
+  Py_CLEAR(set_stream_args_);
+  PyThreadState_Clear(tstate_);
+  PyThreadState_DeleteCurrent();
+  tstate_ = nullptr;
+}
+
+void LaneRuntime::prepare_task(Lane& lane) {
+  if (!torch_ready_) {
+    if (TorchApi::get() == nullptr) return;
+    // First task after torch was imported: per-thread torch setup (device, stream,
+    // Triton allocator, registered hooks), returning how to re-select the stream.
+    static PyObject* init_thread =
+        import_attr("pydflash._lane_runtime", "init_thread").release().ptr();
+    PyObject* r = PyObject_CallFunction(init_thread, "iKK", lane.device(),
+                                        (unsigned long long)(uintptr_t)lane.stream(),
+                                        (unsigned long long)(uintptr_t)lane.copy_stream());
+    if (r == nullptr) throw py::error_already_set();
+    if (r != Py_None) {
+      set_stream_ = PySequence_GetItem(r, 0);
+      set_stream_args_ = PySequence_GetItem(r, 1);
+    }
+    Py_DECREF(r);
+    torch_ready_ = true;
+  }
+  if (set_stream_ != nullptr) {
+    // A task may have switched streams or devices; every task starts on the lane's.
+    PyObject* r = PyObject_Call(set_stream_, set_stream_args_, nullptr);
+    if (r == nullptr) throw py::error_already_set();
+    Py_DECREF(r);
+  }
+}
+
+void notify_python_future(PyObject* future) {
+  PyObject* r = PyObject_CallMethod(future, "_notify", nullptr);
+  if (r == nullptr) PyErr_WriteUnraisable(future);
+  Py_XDECREF(r);
+}
+
+py::object make_python_future(LaneRuntime& rt, std::shared_ptr<FutureState> state,
+                              py::handle lane) {
+  PyObject* f = PyObject_CallFunctionObjArgs(rt.future_type(), py::cast(std::move(state)).ptr(),
+                                             lane.ptr(), nullptr);
+  if (f == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(f);
+}
+
+std::unique_ptr<TaskBody> make_python_task(std::shared_ptr<LaneRuntime> rt, py::object fn,
+                                           py::tuple args, py::object kwargs, py::object future,
+                                           bool tracing) {
+  std::string label;
+  if (tracing) {
+    py::object name = py::getattr(fn, "__qualname__", py::none());
+    label = name.is_none() ? py::str(py::type::of(fn).attr("__name__")).cast<std::string>()
+                           : name.cast<std::string>();
+  }
+  return std::make_unique<PythonTask>(std::move(rt), std::move(fn), std::move(args),
+                                      std::move(kwargs), std::move(future),
+                                      TorchSnapshot::capture(), std::move(label));
+}
+
+std::unique_ptr<TaskBody> make_graph_task(std::shared_ptr<LaneRuntime> rt, uintptr_t graph_exec,
+                                          py::object keepalive, py::object future) {
+  return std::make_unique<GraphTask>(std::move(rt), graph_exec, std::move(keepalive),
+                                     std::move(future));
+}
+
+}  // namespace pydflash::python

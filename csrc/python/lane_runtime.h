@@ -1,0 +1,68 @@
+// What a lane needs from Python: the GIL as its Interpreter, task bodies that call
+// Python callables (or launch captured graphs without the GIL), and the caller's
+// torch state carried into the task.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <memory>
+#include <string>
+
+#include "core/lane.h"
+
+namespace pydflash::python {
+
+/// The caller's thread-local torch state at submit, applied on the worker.
+struct TorchSnapshot {
+  bool captured = false;  // torch was imported at submit
+  bool grad = true;
+  // Inference mode or autocast on: rare, so carried as a Python tuple and applied by
+  // pydflash._torch_state.call_in_state.
+  pybind11::object special;
+
+  static TorchSnapshot capture();
+};
+
+/// Per-lane Python-side state; also the lane's Interpreter (the GIL). Touched only
+/// on the worker thread once the lane runs, except `label`.
+class LaneRuntime : public Interpreter {
+ public:
+  LaneRuntime(std::string label, pybind11::object future_type);
+  ~LaneRuntime() override;
+
+  void thread_started(Lane& lane) override;
+  void enter() override;
+  void leave() override;
+  void thread_exiting() override;
+
+  /// Makes the lane's device and stream current for torch (once torch is imported)
+  /// before each task. Entered.
+  void prepare_task(Lane& lane);
+
+  const std::string label;  // "lane 0 (cuda:1)", for errors and traces
+  PyObject* future_type() const { return future_type_; }
+
+ private:
+  PyInterpreterState* interp_;
+  PyThreadState* tstate_ = nullptr;
+  PyObject* future_type_;          // owned; released entered
+  PyObject* set_stream_ = nullptr;  // owned: torch._C._cuda_setStream
+  PyObject* set_stream_args_ = nullptr;
+  bool torch_ready_ = false;
+};
+
+/// Creates the Python future for `state` (the future type's constructor).
+pybind11::object make_python_future(LaneRuntime& rt, std::shared_ptr<FutureState> state,
+                                    pybind11::handle lane);
+
+std::unique_ptr<TaskBody> make_python_task(std::shared_ptr<LaneRuntime> rt, pybind11::object fn,
+                                           pybind11::tuple args, pybind11::object kwargs,
+                                           pybind11::object future, bool tracing);
+
+std::unique_ptr<TaskBody> make_graph_task(std::shared_ptr<LaneRuntime> rt, uintptr_t graph_exec,
+                                          pybind11::object keepalive, pybind11::object future);
+
+/// Wakes the Python future's waiters and runs its callbacks (Future._notify). Entered.
+void notify_python_future(PyObject* future);
+
+}  // namespace pydflash::python

@@ -1,0 +1,22 @@
+#include <pybind11/pybind11.h>
+
+#include "cuda/device_api.h"
+#include "python/bindings.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "pydflash native core: lanes, futures, the compile queue and CUDA streams";
+  m.attr("__version__") = PYDFLASH_VERSION;
+  py::dict info;
+  info["version"] = PYDFLASH_VERSION;
+  info["with_cuda"] = static_cast<bool>(PYDFLASH_WITH_CUDA);
+  info["sanitizer"] = PYDFLASH_SANITIZER;
+  info["compiler"] = __VERSION__;
+  info["cplusplus"] = __cplusplus;
+  m.attr("BUILD") = info;
+  pydflash::python::init_errors(m);
+  pydflash::python::init_device(m);
+  pydflash::python::init_lane(m);
+  pydflash::python::init_compile_queue(m);
+}

@@ -1,0 +1,41 @@
+"""pydflash: native per-device lanes for multi-model training from one Python process."""
+
+from __future__ import annotations
+
+from ._version import __version__
+from ._native import C as _C
+from ._future import Future
+from .dispatcher import Dispatcher
+from .errors import (
+    CompileQueueTimeout,
+    CudaError,
+    GraphCaptureError,
+    InternalError,
+    NativeModuleError,
+    PipelineError,
+    PydflashError,
+    UnsupportedTritonError,
+)
+from .info import build_info
+from .lane import Lane
+
+if _C.__version__ != __version__:  # pragma: no cover - a stale build in the tree
+    raise NativeModuleError(
+        f"pydflash._C is version {_C.__version__} but the package is {__version__}; reinstall"
+    )
+
+__all__ = [
+    "CompileQueueTimeout",
+    "CudaError",
+    "Dispatcher",
+    "Future",
+    "GraphCaptureError",
+    "InternalError",
+    "Lane",
+    "NativeModuleError",
+    "PipelineError",
+    "PydflashError",
+    "UnsupportedTritonError",
+    "__version__",
+    "build_info",
+]

@@ -1,0 +1,37 @@
+"""The caller's thread-local torch state, carried into a lane's task.
+
+Grad mode travels natively on every submit (csrc/python/lane_runtime.cpp). Inference
+mode and autocast are rarer and have more to them (dtype per device type, the cache
+flag), so when either is on the native side calls `capture()` at submit and
+`call_in_state()` on the worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+_AUTOCAST_DEVICE_TYPES = ("cuda", "cpu")
+
+
+def capture() -> tuple:
+    autocast = tuple(
+        (dt, torch.get_autocast_dtype(dt))
+        for dt in _AUTOCAST_DEVICE_TYPES
+        if torch.is_autocast_enabled(dt)
+    )
+    return (torch.is_inference_mode_enabled(), autocast, torch.is_autocast_cache_enabled())
+
+
+def call_in_state(state: tuple, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    inference, autocast, cache = state
+    with contextlib.ExitStack() as stack:
+        if inference:
+            stack.enter_context(torch.inference_mode())
+        for device_type, dtype in autocast:
+            stack.enter_context(
+                torch.autocast(device_type, dtype=dtype, enabled=True, cache_enabled=cache)
+            )
+        return fn(*args, **kwargs)

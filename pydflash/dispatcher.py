@@ -1,0 +1,131 @@
+"""Dispatcher: native lanes, one per device entry, behind one Executor."""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import os
+import threading
+import warnings
+import weakref
+from typing import Any, Callable, Iterable
+
+from ._future import Future
+from .devices import parse_device, parse_devices
+from .lane import DEFAULT_SPIN_US, Lane
+
+EXIT_TIMEOUT_S = float(os.environ.get("PYDFLASH_EXIT_TIMEOUT", "30"))
+
+_live: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
+
+
+class Dispatcher(concurrent.futures.Executor):
+    """Runs Python callables on native per-device workers; a drop-in replacement for
+    ThreadPoolExecutor in multi-GPU training scripts.
+
+    devices: CUDA ordinals, 'cuda:N', torch.device or 'cpu', one lane per entry (repeat
+    an entry for several lanes on one device). Default: every visible GPU, else one CPU
+    lane. trace: record per-lane spans (see `export_trace`). guard_triton: make Triton's
+    autotuner and compiles safe under threads while the dispatcher lives.
+    """
+
+    def __init__(
+        self,
+        devices: Iterable[Any] | None = None,
+        *,
+        trace: bool = False,
+        guard_triton: bool = True,
+        spin_us: float = DEFAULT_SPIN_US,
+    ) -> None:
+        parsed = parse_devices(devices)
+        self._lanes = [Lane(i, d, spin_us=spin_us) for i, d in enumerate(parsed)]
+        self._shutdown_lock = threading.Lock()
+        self._is_shutdown = False
+        self._guard = None
+        if guard_triton:
+            from .triton_guard import guard_triton as install_guard
+
+            self._guard = install_guard(missing_ok=True)
+        if trace:
+            self.set_tracing(True)
+        _live.add(self)
+        # Dropped without shutdown: let queued work finish, then let the workers go.
+        weakref.finalize(self, _shutdown_lanes, list(self._lanes), False, False)
+
+    # --- lanes ------------------------------------------------------------------------
+    @property
+    def lanes(self) -> list[Lane]:
+        return list(self._lanes)
+
+    def on(self, device: Any, index: int = 0) -> Lane:
+        """The `index`-th lane on `device` (an ordinal, 'cuda:N', torch.device or 'cpu')."""
+        wanted = parse_device(device)
+        matching = [lane for lane in self._lanes if lane._native.device == wanted]
+        if not matching:
+            have = sorted({lane.device for lane in self._lanes})
+            raise ValueError(f"expected a device with a lane ({', '.join(have)}), got {device!r}")
+        if not 0 <= index < len(matching):
+            raise ValueError(
+                f"expected a lane index in [0, {len(matching)}) for {device!r}, got {index}"
+            )
+        return matching[index]
+
+    # --- Executor ---------------------------------------------------------------------
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        """Runs fn(*args, **kwargs) on the least-busy lane."""
+        lanes = self._lanes
+        lane = lanes[0] if len(lanes) == 1 else min(lanes, key=Lane.load)
+        return lane._native.submit(fn, args, kwargs or None, lane)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._shutdown_lock:
+            self._is_shutdown = True
+        _shutdown_lanes(self._lanes, wait, cancel_futures)
+
+    # --- stats and traces -------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = {"lanes": [lane.stats() for lane in self._lanes]}
+        from . import compile_queue
+
+        stats["compile_queue"] = compile_queue.stats()
+        return stats
+
+    def set_tracing(self, on: bool) -> None:
+        for lane in self._lanes:
+            lane._native.set_tracing(on)
+
+    def export_trace(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Writes a Chrome/Perfetto trace JSON of the spans recorded so far and returns it."""
+        from .trace import export
+
+        return export(self._lanes, path)
+
+    def __repr__(self) -> str:
+        devices = ", ".join(lane.device for lane in self._lanes)
+        return f"<pydflash.Dispatcher lanes=[{devices}]>"
+
+
+def _shutdown_lanes(lanes: list[Lane], wait: bool, cancel_futures: bool) -> None:
+    for lane in lanes:
+        if not lane._native.forked:
+            lane._native.shutdown(cancel_futures)
+    if wait:
+        for lane in lanes:
+            if not lane._native.forked:
+                lane._native.join(None)
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    # Queued work is cancelled; running tasks get EXIT_TIMEOUT_S to finish. A task that
+    # never returns is left behind rather than hanging the interpreter's exit.
+    lanes = [lane for d in list(_live) for lane in d._lanes if not lane._native.forked]
+    for lane in lanes:
+        lane._native.shutdown(True)
+    for lane in lanes:
+        if not lane._native.join(EXIT_TIMEOUT_S):
+            warnings.warn(
+                f"pydflash {lane._native.label} still running a task at exit; leaving it",
+                RuntimeWarning,
+                stacklevel=1,
+            )

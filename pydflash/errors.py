@@ -1,0 +1,35 @@
+"""Every exception pydflash defines. All are picklable (they take one message)."""
+
+from __future__ import annotations
+
+
+class PydflashError(Exception):
+    """Base of pydflash's own exceptions."""
+
+
+class CudaError(PydflashError, RuntimeError):
+    """A CUDA runtime call failed; the message names the call, file and line."""
+
+
+class InternalError(PydflashError, RuntimeError):
+    """A bug in pydflash itself; please report it with `python -m pydflash` output."""
+
+
+class NativeModuleError(PydflashError, ImportError):
+    """pydflash._C could not be loaded."""
+
+
+class UnsupportedTritonError(PydflashError, RuntimeError):
+    """The installed Triton lacks an internal that the guard relies on."""
+
+
+class CompileQueueTimeout(PydflashError, TimeoutError):
+    """A compile-queue wait ran past its timeout; the message names the key and holder."""
+
+
+class GraphCaptureError(PydflashError, RuntimeError):
+    """A CUDA graph could not be captured or launched on a lane."""
+
+
+class PipelineError(PydflashError, RuntimeError):
+    """A pipeline stage failed; the message names the stage, microbatch and lane."""

@@ -1,0 +1,42 @@
+"""Handing GPU results from one stream to another without a host sync.
+
+Note [Tensors across streams]: the caching allocator ties a block to the stream it
+was allocated on; once the producer's references die it may hand the block to a new
+allocation on that stream while a consumer stream still reads it. `hand_over` makes
+the consumer stream wait on the producer's event and calls `record_stream(consumer)`
+on every CUDA tensor in the result, which delays the block's reuse until the
+consumer's work queued so far is done.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from ._native import C
+
+
+def iter_tensors(obj: Any) -> Iterator[Any]:
+    """CUDA tensors inside nested tuples, lists, dicts and dataclass-like objects."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        if obj.is_cuda:
+            yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from iter_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_tensors(item)
+
+
+def hand_over(result: Any, event: int, stream: Any = None) -> None:
+    """Orders `stream` (default: torch's current stream) after `event`, a cudaEvent_t
+    as an int, and protects the result's tensors for use on it."""
+    import torch
+
+    if stream is None:
+        stream = torch.cuda.current_stream()
+    C.stream_wait_event(stream.cuda_stream, event)
+    for tensor in iter_tensors(result):
+        tensor.record_stream(stream)

@@ -1,0 +1,104 @@
+"""A lane: one native worker thread bound to one device, as a concurrent.futures.Executor."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, Callable
+
+from ._future import Future
+from ._native import C
+from .devices import CPU, describe
+
+DEFAULT_SPIN_US = 50.0
+
+
+class Lane(concurrent.futures.Executor):
+    """Runs tasks in order on its own native thread. On a GPU lane the lane's device is
+    current and its own CUDA stream is torch's current stream inside every task, and
+    the caller's grad mode, inference mode and autocast state at submit apply.
+
+    Lanes are made by `Dispatcher`; `dispatcher.on(device)` returns one."""
+
+    def __init__(self, index: int, device: int, *, spin_us: float = DEFAULT_SPIN_US) -> None:
+        self._native = C.Lane(index, device, f"lane {index} ({describe(device)})", Future, spin_us)
+        self._torch_streams: tuple[Any, Any] | None = None
+
+    # --- identity -------------------------------------------------------------------
+    @property
+    def index(self) -> int:
+        return self._native.index
+
+    @property
+    def device(self) -> str:
+        """'cuda:N' or 'cpu'."""
+        return describe(self._native.device)
+
+    @property
+    def device_index(self) -> int | None:
+        """CUDA ordinal, or None on a CPU lane."""
+        device = self._native.device
+        return None if device == CPU else device
+
+    @property
+    def is_gpu(self) -> bool:
+        return self._native.device != CPU
+
+    @property
+    def stream_ptr(self) -> int:
+        """The lane's compute stream as a cudaStream_t int (0 on CPU lanes)."""
+        return self._native.stream
+
+    @property
+    def copy_stream_ptr(self) -> int:
+        return self._native.copy_stream
+
+    def _streams(self) -> tuple[Any, Any]:
+        if self._torch_streams is None:
+            import torch
+
+            device = torch.device("cuda", self._native.device)
+            self._torch_streams = (
+                torch.cuda.ExternalStream(self.stream_ptr, device=device),
+                torch.cuda.ExternalStream(self.copy_stream_ptr, device=device),
+            )
+        return self._torch_streams
+
+    @property
+    def stream(self) -> Any:
+        """The compute stream as a torch.cuda.ExternalStream (None on CPU lanes)."""
+        return self._streams()[0] if self.is_gpu else None
+
+    @property
+    def copy_stream(self) -> Any:
+        """A second stream for copies, so transfers overlap compute (None on CPU lanes)."""
+        return self._streams()[1] if self.is_gpu else None
+
+    # --- Executor -------------------------------------------------------------------
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        return self._native.submit(fn, args, kwargs or None, self)
+
+    def submit_graph(self, graph: Any) -> Future:
+        """Launches a captured CUDA graph from the native worker without the GIL. The
+        future completes when the GPU has run the graph; the graph (and its memory pool)
+        is kept alive until then. `graph` is a torch.cuda.CUDAGraph or a
+        pydflash.graphs.CapturedGraph."""
+        from .graphs import graph_exec_handle
+
+        handle, keepalive = graph_exec_handle(graph, self)
+        return self._native.submit_graph(handle, keepalive, self)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._native.shutdown(cancel_futures)
+        if wait:
+            self._native.join(None)
+
+    # --- introspection ----------------------------------------------------------------
+    def load(self) -> int:
+        """Tasks queued, running or still on the GPU."""
+        return self._native.load()
+
+    def stats(self) -> dict[str, Any]:
+        return {"lane": self.index, "device": self.device, **self._native.stats()}
+
+    def __repr__(self) -> str:
+        return f"<pydflash.Lane {self.index} on {self.device}>"
