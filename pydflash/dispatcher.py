@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import functools
 import os
 import threading
 import warnings
@@ -11,6 +12,7 @@ import weakref
 from typing import Any, Callable, Iterable
 
 from ._future import Future
+from ._native import C
 from .devices import parse_device, parse_devices
 from .lane import DEFAULT_SPIN_US, Lane
 
@@ -48,6 +50,12 @@ class Dispatcher(concurrent.futures.Executor):
             self._guard = install_guard(missing_ok=True)
         if trace:
             self.set_tracing(True)
+        # The hot path: a C builtin picks the least-busy lane (csrc/python/bind_lane.cpp).
+        self.submit = functools.partial(
+            C.submit_least_busy,
+            tuple(lane._native for lane in self._lanes),
+            tuple(self._lanes),
+        )
         _live.add(self)
         # Dropped without shutdown: let queued work finish, then let the workers go.
         weakref.finalize(self, _shutdown_lanes, list(self._lanes), False, False)
@@ -72,10 +80,10 @@ class Dispatcher(concurrent.futures.Executor):
 
     # --- Executor ---------------------------------------------------------------------
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        """Runs fn(*args, **kwargs) on the least-busy lane."""
-        lanes = self._lanes
-        lane = lanes[0] if len(lanes) == 1 else min(lanes, key=Lane.load)
-        return lane._native.submit(fn, args, kwargs or None, lane)
+        """Runs fn(*args, **kwargs) on the least-busy lane (fewest tasks queued, running
+        or on the GPU). (Replaced per instance by the native submit.)"""
+        natives = tuple(lane._native for lane in self._lanes)
+        return C.submit_least_busy(natives, tuple(self._lanes), fn, *args, **kwargs)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._shutdown_lock:

@@ -9,32 +9,37 @@
 
 namespace pydflash {
 
+/// Tag base of every error below, so one catch can recognise them all.
+struct Error {
+  virtual ~Error() = default;
+};
+
 /// Bad argument value: becomes ValueError.
-struct ValueError : std::invalid_argument {
+struct ValueError : std::invalid_argument, Error {
   using std::invalid_argument::invalid_argument;
 };
 /// Argument of the wrong kind: becomes TypeError.
-struct TypeError : std::invalid_argument {
+struct TypeError : std::invalid_argument, Error {
   using std::invalid_argument::invalid_argument;
 };
 /// Wrong state (shut down, forked, ...): becomes RuntimeError.
-struct StateError : std::runtime_error {
+struct StateError : std::runtime_error, Error {
   using std::runtime_error::runtime_error;
 };
 /// A wait ran past its timeout: becomes TimeoutError.
-struct TimeoutError : std::runtime_error {
+struct TimeoutError : std::runtime_error, Error {
   using std::runtime_error::runtime_error;
 };
 /// A queued task was cancelled: becomes concurrent.futures.CancelledError.
-struct CancelledError : std::runtime_error {
+struct CancelledError : std::runtime_error, Error {
   using std::runtime_error::runtime_error;
 };
 /// A CUDA runtime call failed: becomes pydflash.CudaError.
-struct CudaError : std::runtime_error {
+struct CudaError : std::runtime_error, Error {
   using std::runtime_error::runtime_error;
 };
 /// A pydflash bug: becomes pydflash.InternalError.
-struct InternalError : std::logic_error {
+struct InternalError : std::logic_error, Error {
   using std::logic_error::logic_error;
 };
 

@@ -46,7 +46,7 @@ void FutureState::publish() {
 
 bool FutureState::wait(double timeout_s, int64_t spin_ns, int64_t slice_ns,
                        const std::function<bool()>& interrupted) {
-  if (published()) return true;
+  if (done()) return true;
   const int64_t start = now_ns();
   const bool forever = timeout_s < 0;
   const int64_t deadline = forever ? INT64_MAX : start + static_cast<int64_t>(timeout_s * 1e9);

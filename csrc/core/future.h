@@ -44,13 +44,15 @@ class FutureState {
   void publish();
 
   /// Note [Finish, then publish]: a worker finishes a Python task while it holds the
-  /// GIL (so observers, who also hold it, see a consistent state) but publishes it only
-  /// after it has let the GIL go when it has nothing else queued. A result() that is
-  /// polling for the outcome then takes a free GIL instead of sleeping on it.
+  /// GIL (so observers, who also hold it, see a consistent state) but publishes it,
+  /// waking wait(), only after it has let the GIL go. A waiter polling for the outcome
+  /// then takes a free GIL instead of going to sleep on it. While more tasks are queued
+  /// the worker keeps the GIL and publishes in batches (Lane::kMaxUnpublished).
   bool published() const { return published_.load(std::memory_order_acquire); }
 
-  /// Waits until published. spin_ns of polling first (cheap when the result is close), then
-  /// blocks in slices of slice_ns, calling `interrupted` between slices; a true return
+  /// Returns at once when done (the caller holds what the finisher held, so the
+  /// outcome is visible); otherwise waits until published: spin_ns of polling first
+  /// (cheap when the result is close), then blocks in slices of slice_ns, calling `interrupted` between slices; a true return
   /// from it abandons the wait. Returns whether the future is done.
   bool wait(double timeout_s, int64_t spin_ns, int64_t slice_ns,
             const std::function<bool()>& interrupted);

@@ -1,5 +1,6 @@
 #include "core/lane.h"
 
+#include <pthread.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -9,6 +10,22 @@
 #include "cuda/device_api.h"
 
 namespace pydflash {
+
+namespace {
+
+// Bumped in every forked child. getpid() is a system call, too slow for each submit.
+std::atomic<int> fork_generation{0};
+
+int current_fork_generation() {
+  static const bool registered = [] {
+    pthread_atfork(nullptr, nullptr, [] { fork_generation.fetch_add(1); });
+    return true;
+  }();
+  (void)registered;
+  return fork_generation.load(std::memory_order_relaxed);
+}
+
+}  // namespace
 
 // Events outlive neither the need nor the process: futures hold them through a
 // shared_ptr whose deleter returns them here for reuse.
@@ -38,6 +55,7 @@ Lane::Lane(int index, int device, std::shared_ptr<Interpreter> interpreter, Lane
     : index_(index),
       device_(device),
       owner_pid_(static_cast<int>(getpid())),
+      fork_generation_(current_fork_generation()),
       interpreter_(std::move(interpreter)),
       options_(options),
       events_(std::make_shared<EventPool>()) {
@@ -64,7 +82,7 @@ Lane::~Lane() {
   delete thread_;
 }
 
-bool Lane::forked() const { return static_cast<int>(getpid()) != owner_pid_; }
+bool Lane::forked() const { return current_fork_generation() != fork_generation_; }
 
 void Lane::start() {
   PYDFLASH_INTERNAL_ASSERT(thread_ == nullptr);
@@ -201,6 +219,12 @@ void Lane::leave(bool& entered) {
     interpreter_->leave();
     entered = false;
   }
+  publish_pending();
+}
+
+void Lane::publish_pending() {
+  for (auto& future : unpublished_) future->publish();
+  unpublished_.clear();
 }
 
 void Lane::worker_main() {
@@ -284,9 +308,20 @@ void Lane::run_one(Task& task, bool& entered) {
     body->notify(*future);
   }
   destroy();
-  // Note [Finish, then publish].
-  if (queue_.size() == 0) leave(entered);
-  future->publish();
+  // Note [Finish, then publish]: with more queued, keep the interpreter and publish
+  // later, in a batch, once it is let go (bounded so results are not held back long).
+  if (!entered) {
+    future->publish();
+  } else if (queue_.size() == 0) {
+    unpublished_.push_back(std::move(future));
+    leave(entered);
+  } else {
+    unpublished_.push_back(std::move(future));
+    if (unpublished_.size() >= kMaxUnpublished ||
+        now_ns() - unpublished_.front()->end_ns.load() > kMaxUnpublishedNs) {
+      leave(entered);
+    }
+  }
 }
 
 }  // namespace pydflash

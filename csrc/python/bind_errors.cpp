@@ -21,24 +21,39 @@ void set_error_from_module(const char* module, const char* name, const char* wha
 
 }  // namespace
 
+void set_python_error(std::exception_ptr p) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const ValueError& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const TypeError& e) {
+    PyErr_SetString(PyExc_TypeError, e.what());
+  } catch (const StateError& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (const TimeoutError& e) {
+    PyErr_SetString(PyExc_TimeoutError, e.what());
+  } catch (const CancelledError& e) {
+    set_error_from_module("concurrent.futures", "CancelledError", e.what());
+  } catch (const CudaError& e) {
+    set_error_from_module("pydflash.errors", "CudaError", e.what());
+  } catch (const InternalError& e) {
+    set_error_from_module("pydflash.errors", "InternalError", e.what());
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "unknown C++ exception");
+  }
+}
+
 void init_errors(py::module_&) {
+  // Only pydflash's own errors; anything else falls through to pybind11's defaults.
   py::register_exception_translator([](std::exception_ptr p) {
     try {
-      if (p) std::rethrow_exception(p);
-    } catch (const ValueError& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
-    } catch (const TypeError& e) {
-      PyErr_SetString(PyExc_TypeError, e.what());
-    } catch (const StateError& e) {
-      PyErr_SetString(PyExc_RuntimeError, e.what());
-    } catch (const TimeoutError& e) {
-      PyErr_SetString(PyExc_TimeoutError, e.what());
-    } catch (const CancelledError& e) {
-      set_error_from_module("concurrent.futures", "CancelledError", e.what());
-    } catch (const CudaError& e) {
-      set_error_from_module("pydflash.errors", "CudaError", e.what());
-    } catch (const InternalError& e) {
-      set_error_from_module("pydflash.errors", "InternalError", e.what());
+      std::rethrow_exception(p);
+    } catch (const Error&) {
+      set_python_error(p);
     }
   });
 }

@@ -1,4 +1,4 @@
-// _C.Lane and _C.FutureState: thin wrappers; the Executor API is pydflash/lane.py.
+// _C.Lane and _C.submit: thin wrappers; the Executor API is pydflash/lane.py.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -6,15 +6,13 @@
 #include "core/lane.h"
 #include "cuda/device_api.h"
 #include "python/bindings.h"
+#include "python/future_object.h"
 #include "python/lane_runtime.h"
 
 namespace py = pybind11;
 
 namespace pydflash::python {
 namespace {
-
-constexpr int64_t kWaitSpinNs = 30'000;     // poll this long before sleeping
-constexpr int64_t kWaitSliceNs = 20'000'000;  // check for Ctrl-C this often
 
 struct PyLane {
   std::shared_ptr<LaneRuntime> rt;
@@ -27,24 +25,90 @@ double timeout_seconds(const py::object& timeout) {
   return t < 0 ? 0.0 : t;
 }
 
-// Releases the GIL while waiting; between slices takes it back to run signal
-// handlers, so Ctrl-C interrupts the wait with KeyboardInterrupt.
-bool wait_interruptibly(FutureState& state, double timeout_s) {
-  if (state.published()) return true;
-  bool interrupted = false;
-  bool done;
-  {
-    py::gil_scoped_release nogil;
-    done = state.wait(timeout_s, kWaitSpinNs, kWaitSliceNs, [&] {
-      py::gil_scoped_acquire gil;
-      // The exception a handler raises stays set on this thread until re-raised below.
-      interrupted = PyErr_CheckSignals() != 0;
-      return interrupted;
-    });
+// Queues fn(*args, **kwargs) on a lane; args[0] is fn. Returns a new reference.
+PyObject* submit_to(PyLane& l, PyObject* owner, PyObject* const* args, Py_ssize_t nargs,
+                    PyObject* kwnames) {
+  try {
+    PyObject* fn = args[0];
+    PYDFLASH_CHECK_TYPE(PyCallable_Check(fn), "expected a callable, got ", Py_TYPE(fn)->tp_name);
+    auto call_args = py::reinterpret_steal<py::tuple>(PyTuple_New(nargs - 1));
+    for (Py_ssize_t i = 1; i < nargs; ++i) {
+      Py_INCREF(args[i]);
+      PyTuple_SET_ITEM(call_args.ptr(), i - 1, args[i]);
+    }
+    py::object kwargs = py::none();
+    if (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) > 0) {
+      kwargs = py::dict();
+      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); ++i)
+        PyDict_SetItem(kwargs.ptr(), PyTuple_GET_ITEM(kwnames, i), args[nargs + i]);
+    }
+    auto state = l.lane->new_future();
+    py::object future = make_python_future(*l.rt, state, owner);
+    l.lane->submit(std::move(state),
+                   make_python_task(l.rt, py::reinterpret_borrow<py::object>(fn), std::move(call_args),
+                                    std::move(kwargs), future, l.lane->tracing()));
+    return future.release().ptr();
+  } catch (...) {
+    set_python_error(std::current_exception());
   }
-  if (interrupted) throw py::error_already_set();
-  return done;
+  return nullptr;
 }
+
+bool check_fn_given(Py_ssize_t nargs, Py_ssize_t fixed) {
+  if (nargs > fixed) return true;
+  PyErr_SetString(PyExc_TypeError, "submit() missing the callable to run");
+  return false;
+}
+
+// The hot paths are METH_FASTCALL builtins, so a submit runs no Python frame and no
+// pybind11 overload resolution; pydflash.Lane and Dispatcher bind them with
+// functools.partial.
+// _C.submit(native_lane, owner, fn, /, *args, **kwargs)
+PyObject* submit(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  if (!check_fn_given(nargs, 2)) return nullptr;
+  PyLane* lane;
+  try {
+    lane = &py::handle(args[0]).cast<PyLane&>();
+  } catch (...) {
+    set_python_error(std::current_exception());
+    return nullptr;
+  }
+  return submit_to(*lane, args[1], args + 2, nargs - 2, kwnames);
+}
+
+// _C.submit_least_busy(native_lanes, owners, fn, /, *args, **kwargs): to the lane with
+// the fewest tasks queued, running or on the device; ties go to the first.
+PyObject* submit_least_busy(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  if (!check_fn_given(nargs, 2)) return nullptr;
+  PyLane* best = nullptr;
+  Py_ssize_t best_index = 0;
+  try {
+    auto lanes = py::handle(args[0]).cast<py::tuple>();
+    uint64_t best_load = UINT64_MAX;
+    for (Py_ssize_t i = 0; i < static_cast<Py_ssize_t>(lanes.size()); ++i) {
+      auto& l = lanes[i].cast<PyLane&>();
+      const uint64_t load = l.lane->load();
+      if (load < best_load) {
+        best = &l;
+        best_load = load;
+        best_index = i;
+      }
+    }
+    PYDFLASH_INTERNAL_ASSERT(best != nullptr);
+  } catch (...) {
+    set_python_error(std::current_exception());
+    return nullptr;
+  }
+  return submit_to(*best, PyTuple_GET_ITEM(args[1], best_index), args + 2, nargs - 2, kwnames);
+}
+
+PyMethodDef submit_defs[] = {
+    {"submit", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(submit)),
+     METH_FASTCALL | METH_KEYWORDS, "submit(native_lane, owner, fn, /, *args, **kwargs) -> Future"},
+    {"submit_least_busy",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(submit_least_busy)),
+     METH_FASTCALL | METH_KEYWORDS,
+     "submit_least_busy(native_lanes, owners, fn, /, *args, **kwargs) -> Future"}};
 
 void finish_cancelled(std::vector<Task>& tasks) {
   for (auto& task : tasks) {
@@ -56,36 +120,9 @@ void finish_cancelled(std::vector<Task>& tasks) {
 }  // namespace
 
 void init_lane(py::module_& m) {
-  py::class_<FutureState, std::shared_ptr<FutureState>>(m, "FutureState")
-      .def_property_readonly("id", &FutureState::id)
-      .def_property_readonly("status", [](const FutureState& s) { return static_cast<int>(s.status()); })
-      .def("done", &FutureState::done)
-      .def("published", &FutureState::published)
-      .def("cancel", &FutureState::cancel)
-      .def("mark_observed", &FutureState::mark_observed)
-      .def(
-          "wait",
-          [](FutureState& s, py::object timeout) { return wait_interruptibly(s, timeout_seconds(timeout)); },
-          py::arg("timeout") = py::none())
-      .def_property_readonly("native_error",
-                             [](const FutureState& s) -> py::object {
-                               if (s.native_error() == NativeError::None) return py::none();
-                               return py::make_tuple(static_cast<int>(s.native_error()),
-                                                     s.native_error_message());
-                             })
-      .def_property_readonly("event",
-                             [](const FutureState& s) { return reinterpret_cast<uintptr_t>(s.event()); })
-      .def(
-          "stream_wait",
-          [](const FutureState& s, uintptr_t stream) {
-            PYDFLASH_CHECK_STATE(s.event() != nullptr,
-                                 "this future has no CUDA event (a CPU lane, or not finished)");
-            device::stream_wait_event(reinterpret_cast<void*>(stream), s.event());
-          },
-          py::arg("stream"))
-      .def_property_readonly("times", [](const FutureState& s) {
-        return py::make_tuple(s.submit_ns.load(), s.start_ns.load(), s.end_ns.load());
-      });
+  add_future_type(m.ptr());
+  for (auto& def : submit_defs)
+    m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.ptr())));
 
   py::class_<PyLane>(m, "Lane")
       .def(py::init([](int index, int device, std::string label, py::object future_type,
@@ -108,18 +145,6 @@ void init_lane(py::module_& m) {
       .def_property_readonly("copy_stream", [](const PyLane& l) {
         return reinterpret_cast<uintptr_t>(l.lane->copy_stream());
       })
-      .def(
-          "submit",
-          [](PyLane& l, py::object fn, py::tuple args, py::object kwargs, py::handle owner) {
-            PYDFLASH_CHECK_TYPE(PyCallable_Check(fn.ptr()), "expected a callable, got ",
-                                std::string(py::str(py::type::of(fn).attr("__name__"))));
-            auto state = l.lane->new_future();
-            py::object future = make_python_future(*l.rt, state, owner);
-            l.lane->submit(state, make_python_task(l.rt, std::move(fn), std::move(args),
-                                                   std::move(kwargs), future, l.lane->tracing()));
-            return future;
-          },
-          py::arg("fn"), py::arg("args"), py::arg("kwargs"), py::arg("owner"))
       .def(
           "submit_graph",
           [](PyLane& l, uintptr_t graph_exec, py::object keepalive, py::handle owner) {

@@ -1,47 +1,19 @@
 #include "python/lane_runtime.h"
 
+#include <thread>
+
+#include "core/clock.h"
 #include "core/error.h"
 #include "cuda/device_api.h"
+#include "python/bindings.h"
+#include "python/future_object.h"
 
 namespace py = pybind11;
 
 namespace pydflash::python {
 namespace {
 
-// Torch functions used on every submit, looked up once torch is imported. Leaked on
-// purpose: they must outlive every lane, and torch outlives us anyway.
-struct TorchApi {
-  PyObject* is_grad_enabled;
-  PyObject* set_grad_enabled;
-  PyObject* is_inference_mode_enabled;
-  PyObject* is_autocast_enabled;
-  PyObject* str_cuda;
-  PyObject* str_cpu;
-
-  /// Null until torch is in sys.modules. Entered.
-  static const TorchApi* get() {
-    static TorchApi* api = nullptr;
-    if (api != nullptr) return api;
-    PyObject* modules = PyImport_GetModuleDict();
-    PyObject* torch = PyDict_GetItemString(modules, "torch");  // borrowed
-    if (torch == nullptr) return nullptr;
-    auto attr = [](PyObject* obj, const char* name) {
-      PyObject* value = PyObject_GetAttrString(obj, name);
-      if (value == nullptr) throw py::error_already_set();
-      return value;
-    };
-    PyObject* torch_c = attr(torch, "_C");
-    auto* fresh = new TorchApi{attr(torch, "is_grad_enabled"),
-                               attr(torch_c, "_set_grad_enabled"),
-                               attr(torch, "is_inference_mode_enabled"),
-                               attr(torch, "is_autocast_enabled"),
-                               PyUnicode_InternFromString("cuda"),
-                               PyUnicode_InternFromString("cpu")};
-    Py_DECREF(torch_c);
-    api = fresh;
-    return api;
-  }
-};
+constexpr int64_t kEnterPollNs = 100'000;
 
 bool call_bool(PyObject* fn, PyObject* arg = nullptr) {
   PyObject* r = arg ? PyObject_CallOneArg(fn, arg) : PyObject_CallNoArgs(fn);
@@ -51,16 +23,59 @@ bool call_bool(PyObject* fn, PyObject* arg = nullptr) {
   return value;
 }
 
+// Torch functions used on every submit, looked up once torch is imported. Leaked on
+// purpose: they must outlive every lane, and torch outlives us anyway.
+struct TorchApi {
+  PyObject* is_grad_enabled;
+  PyObject* set_grad_enabled;
+  PyObject* is_inference_mode_enabled;
+  PyObject* is_any_autocast_enabled;  // torch._C._is_any_autocast_enabled, or null
+  PyObject* is_autocast_enabled;
+  PyObject* str_cuda;
+  PyObject* str_cpu;
+
+  bool any_autocast() const {
+    if (is_any_autocast_enabled != nullptr) return call_bool(is_any_autocast_enabled);
+    return call_bool(is_autocast_enabled, str_cuda) || call_bool(is_autocast_enabled, str_cpu);
+  }
+
+  /// Null until torch is in sys.modules. Entered.
+  static const TorchApi* get() {
+    static TorchApi* api = nullptr;
+    if (api != nullptr) return api;
+    static PyObject* name = PyUnicode_InternFromString("torch");
+    PyObject* torch = PyDict_GetItem(PyImport_GetModuleDict(), name);  // borrowed
+    if (torch == nullptr) return nullptr;
+    auto attr = [](PyObject* obj, const char* name) {
+      PyObject* value = PyObject_GetAttrString(obj, name);
+      if (value == nullptr) throw py::error_already_set();
+      return value;
+    };
+    PyObject* torch_c = attr(torch, "_C");
+    PyObject* any_autocast = PyObject_GetAttrString(torch_c, "_is_any_autocast_enabled");
+    if (any_autocast == nullptr) PyErr_Clear();  // older torch: ask per device type
+    auto* fresh = new TorchApi{attr(torch, "is_grad_enabled"),
+                               attr(torch_c, "_set_grad_enabled"),
+                               attr(torch, "is_inference_mode_enabled"),
+                               any_autocast,
+                               attr(torch, "is_autocast_enabled"),
+                               PyUnicode_InternFromString("cuda"),
+                               PyUnicode_InternFromString("cpu")};
+    Py_DECREF(torch_c);
+    api = fresh;
+    return api;
+  }
+};
+
 py::object import_attr(const char* module, const char* name) {
   return py::module_::import(module).attr(name);
 }
 
-// Stores the task's outcome on the Python future: `_result`, or `_exception` with a
-// note naming the lane. Entered; consumes `result` (null means an exception is set).
-void store_outcome(PyObject* future, PyObject* result, const std::string& label) {
+// Stores the task's outcome on the future: its result, or the exception with a note
+// naming the lane. Entered; consumes `result` (null means an exception is set).
+void store_outcome(FutureObject* future, PyObject* result, const std::string& label) {
   if (result != nullptr) {
-    if (PyObject_SetAttrString(future, "_result", result) < 0) PyErr_WriteUnraisable(future);
-    Py_DECREF(result);
+    Py_XSETREF(future->result, result);
     return;
   }
   PyObject *type, *value, *tb;
@@ -71,9 +86,8 @@ void store_outcome(PyObject* future, PyObject* result, const std::string& label)
   PyObject* r = PyObject_CallMethod(value, "add_note", "s", note.c_str());
   if (r == nullptr) PyErr_Clear();
   Py_XDECREF(r);
-  if (PyObject_SetAttrString(future, "_exception", value) < 0) PyErr_WriteUnraisable(future);
+  Py_XSETREF(future->exception, value);
   Py_XDECREF(type);
-  Py_XDECREF(value);
   Py_XDECREF(tb);
 }
 
@@ -104,14 +118,14 @@ class PythonTask final : public TaskBody {
     if (lane.is_gpu()) {
       try {
         state->set_event(lane.record_event());
-      } catch (const std::exception& e) {
+      } catch (...) {
         if (result != nullptr) {
           Py_CLEAR(result);
-          PyErr_SetString(import_attr("pydflash.errors", "CudaError").ptr(), e.what());
+          set_python_error(std::current_exception());
         }
       }
     }
-    store_outcome(future_.ptr(), result, rt_->label);
+    store_outcome(as_future(future_.ptr()), result, rt_->label);
     return true;
   }
 
@@ -122,9 +136,11 @@ class PythonTask final : public TaskBody {
   PyObject* call() {
     if (torch_.captured) {
       const TorchApi* api = TorchApi::get();
-      PyObject* r = PyObject_CallOneArg(api->set_grad_enabled, torch_.grad ? Py_True : Py_False);
-      if (r == nullptr) throw py::error_already_set();
-      Py_DECREF(r);
+      if (call_bool(api->is_grad_enabled) != torch_.grad) {
+        PyObject* r = PyObject_CallOneArg(api->set_grad_enabled, torch_.grad ? Py_True : Py_False);
+        if (r == nullptr) throw py::error_already_set();
+        Py_DECREF(r);
+      }
     }
     if (torch_.special) {
       static PyObject* call_in_state =
@@ -244,9 +260,7 @@ TorchSnapshot TorchSnapshot::capture() {
   if (api == nullptr) return snap;
   snap.captured = true;
   snap.grad = call_bool(api->is_grad_enabled);
-  if (call_bool(api->is_inference_mode_enabled) ||
-      call_bool(api->is_autocast_enabled, api->str_cuda) ||
-      call_bool(api->is_autocast_enabled, api->str_cpu)) {
+  if (call_bool(api->is_inference_mode_enabled) || api->any_autocast()) {
     static PyObject* capture = import_attr("pydflash._torch_state", "capture").release().ptr();
     PyObject* state = PyObject_CallNoArgs(capture);
     if (state == nullptr) throw py::error_already_set();
@@ -267,7 +281,12 @@ LaneRuntime::~LaneRuntime() {
 
 void LaneRuntime::thread_started(Lane&) { tstate_ = PyThreadState_New(interp_); }
 
-void LaneRuntime::enter() { PyEval_RestoreThread(tstate_); }
+void LaneRuntime::enter() {
+  // Note [Entering when the GIL is free].
+  const int64_t until = now_ns() + kEnterPollNs;
+  while (!WaitingWithoutGil::any() && now_ns() < until) std::this_thread::yield();
+  PyEval_RestoreThread(tstate_);
+}
 
 void LaneRuntime::leave() { PyEval_SaveThread(); }
 
@@ -315,8 +334,7 @@ void notify_python_future(PyObject* future) {
 
 py::object make_python_future(LaneRuntime& rt, std::shared_ptr<FutureState> state,
                               py::handle lane) {
-  PyObject* f = PyObject_CallFunctionObjArgs(rt.future_type(), py::cast(std::move(state)).ptr(),
-                                             lane.ptr(), nullptr);
+  PyObject* f = new_future(rt.future_type(), std::move(state), lane.ptr());
   if (f == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(f);
 }

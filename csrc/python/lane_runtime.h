@@ -5,12 +5,33 @@
 
 #include <pybind11/pybind11.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 
 #include "core/lane.h"
 
 namespace pydflash::python {
+
+/// Note [Entering when the GIL is free]: a worker woken by a submit would otherwise
+/// block in CPython's take_gil while the submitter still holds the GIL, and then pay a
+/// futex wake-up when it lets go. Threads waiting on a pydflash future count
+/// themselves here once they have released the GIL; a worker about to enter polls
+/// this briefly first, so it usually finds the GIL free.
+class WaitingWithoutGil {
+ public:
+  WaitingWithoutGil() { count().fetch_add(1, std::memory_order_relaxed); }
+  ~WaitingWithoutGil() { count().fetch_sub(1, std::memory_order_relaxed); }
+  WaitingWithoutGil(const WaitingWithoutGil&) = delete;
+  WaitingWithoutGil& operator=(const WaitingWithoutGil&) = delete;
+  static bool any() { return count().load(std::memory_order_relaxed) > 0; }
+
+ private:
+  static std::atomic<int>& count() {
+    static std::atomic<int> waiting{0};
+    return waiting;
+  }
+};
 
 /// The caller's thread-local torch state at submit, applied on the worker.
 struct TorchSnapshot {

@@ -1,0 +1,273 @@
+#include "python/future_object.h"
+
+#include <pybind11/pybind11.h>
+#include <structmember.h>
+
+#include <new>
+
+#include "cuda/device_api.h"
+#include "python/bindings.h"
+#include "python/lane_runtime.h"
+
+namespace py = pybind11;
+
+namespace pydflash::python {
+namespace {
+
+constexpr int64_t kWaitSpinNs = 30'000;       // poll this long before sleeping
+constexpr int64_t kWaitSliceNs = 20'000'000;  // check for Ctrl-C this often
+
+PyTypeObject FutureBaseType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// concurrent.futures' state names, read once.
+PyObject* state_names[4];
+
+FutureObject* self_of(PyObject* self) { return reinterpret_cast<FutureObject*>(self); }
+
+int traverse(PyObject* self, visitproc visit, void* arg) {
+  auto* f = self_of(self);
+  Py_VISIT(f->result);
+  Py_VISIT(f->exception);
+  Py_VISIT(f->lane);
+  Py_VISIT(f->cond);
+  Py_VISIT(f->waiters);
+  Py_VISIT(f->callbacks);
+  return 0;
+}
+
+int clear(PyObject* self) {
+  auto* f = self_of(self);
+  Py_CLEAR(f->result);
+  Py_CLEAR(f->exception);
+  Py_CLEAR(f->lane);
+  Py_CLEAR(f->cond);
+  Py_CLEAR(f->waiters);
+  Py_CLEAR(f->callbacks);
+  return 0;
+}
+
+void dealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  clear(self);
+  self_of(self)->state.~shared_ptr<FutureState>();
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* no_new(PyTypeObject*, PyObject*, PyObject*) {
+  PyErr_SetString(PyExc_TypeError, "pydflash futures are made by lanes (Lane.submit)");
+  return nullptr;
+}
+
+double parse_timeout(PyObject* timeout) {
+  if (timeout == nullptr || timeout == Py_None) return -1.0;
+  const double t = PyFloat_AsDouble(timeout);
+  if (t == -1.0 && PyErr_Occurred()) return -2.0;
+  return t < 0 ? 0.0 : t;
+}
+
+// Waits; sets TimeoutError/KeyboardInterrupt and returns false when it ends undone.
+bool wait_or_raise(FutureObject* f, PyObject* timeout_arg) {
+  const double timeout = parse_timeout(timeout_arg);
+  if (timeout == -2.0) return false;
+  try {
+    if (wait_interruptibly(*f->state, timeout)) return true;
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return false;
+  }
+  PyErr_SetNone(PyExc_TimeoutError);
+  return false;
+}
+
+PyObject* call_python(PyObject* self, const char* method, PyObject* arg) {
+  return PyObject_CallMethod(self, method, arg ? "O" : nullptr, arg);
+}
+
+PyObject* result(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  auto* f = self_of(self);
+  PyObject* timeout = nargs > 0 ? args[0] : nullptr;
+  if (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) > 0) timeout = args[nargs];
+  if (!f->state->done() && !wait_or_raise(f, timeout)) return nullptr;
+  if (f->state->status() == FutureStatus::Finished && f->exception == nullptr &&
+      f->state->native_error() == NativeError::None) {
+    PyObject* r = f->result ? f->result : Py_None;
+    Py_INCREF(r);
+    return r;
+  }
+  return call_python(self, "_raise_failure", nullptr);  // cancelled or failed: rare
+}
+
+PyObject* wait(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  auto* f = self_of(self);
+  if (!f->state->done() && !wait_or_raise(f, nargs > 0 ? args[0] : nullptr)) {
+    if (!PyErr_ExceptionMatches(PyExc_TimeoutError)) return nullptr;
+    PyErr_Clear();
+    Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
+PyObject* done(PyObject* self, PyObject*) { return PyBool_FromLong(self_of(self)->state->done()); }
+
+PyObject* cancelled(PyObject* self, PyObject*) {
+  return PyBool_FromLong(self_of(self)->state->status() == FutureStatus::Cancelled);
+}
+
+PyObject* running(PyObject* self, PyObject*) {
+  return PyBool_FromLong(self_of(self)->state->status() == FutureStatus::Running);
+}
+
+PyObject* cancel_native(PyObject* self, PyObject*) {
+  return PyBool_FromLong(self_of(self)->state->cancel());
+}
+
+PyObject* mark_observed(PyObject* self, PyObject*) {
+  self_of(self)->state->mark_observed();
+  Py_RETURN_NONE;
+}
+
+PyObject* stream_wait(PyObject* self, PyObject* stream) {
+  void* event = self_of(self)->state->event();
+  if (event == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "this future has no CUDA event (a CPU lane, or not finished)");
+    return nullptr;
+  }
+  const auto ptr = PyLong_AsUnsignedLongLong(stream);
+  if (PyErr_Occurred()) return nullptr;
+  try {
+    device::stream_wait_event(reinterpret_cast<void*>(static_cast<uintptr_t>(ptr)), event);
+  } catch (...) {
+    set_python_error(std::current_exception());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* get_state(PyObject* self, void*) {
+  PyObject* name = state_names[static_cast<int>(self_of(self)->state->status())];
+  Py_INCREF(name);
+  return name;
+}
+
+PyObject* get_status(PyObject* self, void*) {
+  return PyLong_FromLong(static_cast<int>(self_of(self)->state->status()));
+}
+
+PyObject* get_id(PyObject* self, void*) { return PyLong_FromUnsignedLongLong(self_of(self)->state->id()); }
+
+PyObject* get_event(PyObject* self, void*) {
+  return PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(self_of(self)->state->event()));
+}
+
+PyObject* get_native_error(PyObject* self, void*) {
+  const FutureState& s = *self_of(self)->state;
+  if (s.native_error() == NativeError::None) Py_RETURN_NONE;
+  return Py_BuildValue("(is)", static_cast<int>(s.native_error()), s.native_error_message().c_str());
+}
+
+PyObject* get_times(PyObject* self, void*) {
+  const FutureState& s = *self_of(self)->state;
+  return Py_BuildValue("(LLL)", (long long)s.submit_ns.load(), (long long)s.start_ns.load(),
+                       (long long)s.end_ns.load());
+}
+
+PyObject* get_waiters(PyObject* self, void*) {
+  auto* f = self_of(self);
+  if (f->waiters == nullptr && (f->waiters = PyList_New(0)) == nullptr) return nullptr;
+  Py_INCREF(f->waiters);
+  return f->waiters;
+}
+
+PyMethodDef methods[] = {
+    {"result", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(result)),
+     METH_FASTCALL | METH_KEYWORDS, "result(timeout=None): the task's return value."},
+    {"_wait", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(wait)), METH_FASTCALL,
+     "Waits (GIL released) until done; False on timeout."},
+    {"done", done, METH_NOARGS, nullptr},
+    {"cancelled", cancelled, METH_NOARGS, nullptr},
+    {"running", running, METH_NOARGS, nullptr},
+    {"_cancel_native", cancel_native, METH_NOARGS, nullptr},
+    {"_mark_observed", mark_observed, METH_NOARGS, nullptr},
+    {"_stream_wait", stream_wait, METH_O, "Makes a cudaStream_t (int) wait on the task's event."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyGetSetDef getset[] = {
+    {"_state", get_state, nullptr, "concurrent.futures' name for the state", nullptr},
+    {"_status", get_status, nullptr, nullptr, nullptr},
+    {"_waiters", get_waiters, nullptr, nullptr, nullptr},
+    {"_id", get_id, nullptr, nullptr, nullptr},
+    {"event", get_event, nullptr,
+     "The cudaEvent_t (as an int) recorded on the lane stream after the task; 0 on CPU lanes.",
+     nullptr},
+    {"_native_error", get_native_error, nullptr, nullptr, nullptr},
+    {"_times", get_times, nullptr, "(submit_ns, start_ns, end_ns)", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyMemberDef members[] = {
+    {"_result", T_OBJECT, offsetof(FutureObject, result), 0, nullptr},
+    {"_exception", T_OBJECT, offsetof(FutureObject, exception), 0, nullptr},
+    {"_lane", T_OBJECT, offsetof(FutureObject, lane), READONLY, nullptr},
+    {"_cond", T_OBJECT, offsetof(FutureObject, cond), 0, nullptr},
+    {"_callbacks", T_OBJECT, offsetof(FutureObject, callbacks), 0, nullptr},
+    {nullptr, 0, 0, 0, nullptr}};
+
+}  // namespace
+
+bool wait_interruptibly(FutureState& state, double timeout_s) {
+  if (state.done()) return true;
+  bool interrupted = false;
+  bool finished;
+  {
+    py::gil_scoped_release nogil;
+    WaitingWithoutGil waiting;  // Note [Entering when the GIL is free]
+    finished = state.wait(timeout_s, kWaitSpinNs, kWaitSliceNs, [&] {
+      py::gil_scoped_acquire gil;
+      // An exception raised by a handler stays set until re-raised below.
+      interrupted = PyErr_CheckSignals() != 0;
+      return interrupted;
+    });
+  }
+  if (interrupted) throw py::error_already_set();
+  return finished;
+}
+
+FutureObject* as_future(PyObject* obj) {
+  return PyObject_TypeCheck(obj, &FutureBaseType) ? self_of(obj) : nullptr;
+}
+
+PyObject* new_future(PyObject* type, std::shared_ptr<FutureState> state, PyObject* lane) {
+  auto* tp = reinterpret_cast<PyTypeObject*>(type);
+  PyObject* obj = tp->tp_alloc(tp, 0);  // zeroed
+  if (obj == nullptr) return nullptr;
+  auto* f = self_of(obj);
+  new (&f->state) std::shared_ptr<FutureState>(std::move(state));
+  Py_INCREF(lane);
+  f->lane = lane;
+  return obj;
+}
+
+void add_future_type(PyObject* module) {
+  PyObject* base = PyImport_ImportModule("concurrent.futures._base");
+  if (base == nullptr) throw py::error_already_set();
+  const char* names[4] = {"PENDING", "RUNNING", "CANCELLED_AND_NOTIFIED", "FINISHED"};
+  for (int i = 0; i < 4; ++i) state_names[i] = PyObject_GetAttrString(base, names[i]);
+  Py_DECREF(base);
+
+  FutureBaseType.tp_name = "pydflash._C.FutureBase";
+  FutureBaseType.tp_basicsize = sizeof(FutureObject);
+  FutureBaseType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC;
+  FutureBaseType.tp_doc = "Native half of pydflash.Future.";
+  FutureBaseType.tp_new = no_new;
+  FutureBaseType.tp_dealloc = dealloc;
+  FutureBaseType.tp_traverse = traverse;
+  FutureBaseType.tp_clear = clear;
+  FutureBaseType.tp_methods = methods;
+  FutureBaseType.tp_getset = getset;
+  FutureBaseType.tp_members = members;
+  if (PyType_Ready(&FutureBaseType) < 0) throw py::error_already_set();
+  Py_INCREF(&FutureBaseType);
+  if (PyModule_AddObject(module, "FutureBase", reinterpret_cast<PyObject*>(&FutureBaseType)) < 0)
+    throw py::error_already_set();
+}
+
+}  // namespace pydflash::python
