@@ -29,6 +29,7 @@ def parse_device(spec: Any, gpu_count: int | None = None) -> int:
     """Returns a CUDA ordinal or CPU (-1). Accepts an int, 'cuda:N', 'cuda' (device 0),
     'cpu', or a torch.device."""
     count = visible_gpus() if gpu_count is None else gpu_count
+    given = spec
     if type(spec).__name__ == "device" and type(spec).__module__ == "torch":
         spec = str(spec)
     if isinstance(spec, bool) or not isinstance(spec, (int, str)):
@@ -43,7 +44,7 @@ def parse_device(spec: Any, gpu_count: int | None = None) -> int:
             raise ValueError(f"expected {_valid(count)}, got {spec!r}")
         spec = int(match.group(1) or 0)
     if not 0 <= spec < count:
-        raise ValueError(f"expected {_valid(count)}, got {spec!r}")
+        raise ValueError(f"expected {_valid(count)}, got {given!r}")
     return spec
 
 

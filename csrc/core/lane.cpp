@@ -102,8 +102,10 @@ std::shared_ptr<FutureState> Lane::new_future() {
 void Lane::submit(std::shared_ptr<FutureState> future, std::unique_ptr<TaskBody> body) {
   future->submit_ns = now_ns();
   submitted_.fetch_add(1, std::memory_order_relaxed);
+  unfinished_.fetch_add(1, std::memory_order_relaxed);
   if (!queue_.push(Task{std::move(future), std::move(body)})) {
     submitted_.fetch_sub(1, std::memory_order_relaxed);
+    unfinished_.fetch_sub(1, std::memory_order_relaxed);
     throw StateError(detail::str("cannot submit to lane ", index_, " after shutdown"));
   }
 }
@@ -114,6 +116,7 @@ void Lane::post_internal(std::unique_ptr<TaskBody> body) {
 
 void Lane::device_work_finished() {
   completed_.fetch_add(1, std::memory_order_relaxed);
+  unfinished_.fetch_sub(1, std::memory_order_relaxed);
   if (on_device_.fetch_sub(1) == 1) queue_.wake();
 }
 
@@ -129,6 +132,7 @@ std::vector<Task> Lane::shutdown(bool cancel) {
       continue;
     }
     if (task.future->cancel()) cancelled_.fetch_add(1, std::memory_order_relaxed);
+    unfinished_.fetch_sub(1, std::memory_order_relaxed);
     cancelled.push_back(std::move(task));
   }
   return cancelled;
@@ -153,8 +157,7 @@ bool Lane::join(double timeout_s) {
 }
 
 uint64_t Lane::load() const {
-  return queue_.size() + (running_task_.load(std::memory_order_relaxed) ? 1 : 0) +
-         static_cast<uint64_t>(on_device_.load(std::memory_order_relaxed));
+  return static_cast<uint64_t>(unfinished_.load(std::memory_order_relaxed));
 }
 
 LaneStats Lane::stats() const {
@@ -268,6 +271,7 @@ void Lane::run_one(Task& task, bool& entered) {
     return;
   }
   if (!future->try_start()) {
+    unfinished_.fetch_sub(1, std::memory_order_relaxed);
     destroy();  // cancelled while queued; whoever cancelled it published and notified
     return;
   }
@@ -303,6 +307,7 @@ void Lane::run_one(Task& task, bool& entered) {
     return;
   }
   completed_.fetch_add(1, std::memory_order_relaxed);
+  unfinished_.fetch_sub(1, std::memory_order_relaxed);
   if (future->finish()) {
     enter(entered);
     body->notify(*future);

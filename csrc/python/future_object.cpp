@@ -5,7 +5,6 @@
 
 #include <new>
 
-#include "cuda/device_api.h"
 #include "python/bindings.h"
 #include "python/lane_runtime.h"
 
@@ -126,23 +125,6 @@ PyObject* mark_observed(PyObject* self, PyObject*) {
   Py_RETURN_NONE;
 }
 
-PyObject* stream_wait(PyObject* self, PyObject* stream) {
-  void* event = self_of(self)->state->event();
-  if (event == nullptr) {
-    PyErr_SetString(PyExc_RuntimeError, "this future has no CUDA event (a CPU lane, or not finished)");
-    return nullptr;
-  }
-  const auto ptr = PyLong_AsUnsignedLongLong(stream);
-  if (PyErr_Occurred()) return nullptr;
-  try {
-    device::stream_wait_event(reinterpret_cast<void*>(static_cast<uintptr_t>(ptr)), event);
-  } catch (...) {
-    set_python_error(std::current_exception());
-    return nullptr;
-  }
-  Py_RETURN_NONE;
-}
-
 PyObject* get_state(PyObject* self, void*) {
   PyObject* name = state_names[static_cast<int>(self_of(self)->state->status())];
   Py_INCREF(name);
@@ -165,12 +147,6 @@ PyObject* get_native_error(PyObject* self, void*) {
   return Py_BuildValue("(is)", static_cast<int>(s.native_error()), s.native_error_message().c_str());
 }
 
-PyObject* get_times(PyObject* self, void*) {
-  const FutureState& s = *self_of(self)->state;
-  return Py_BuildValue("(LLL)", (long long)s.submit_ns.load(), (long long)s.start_ns.load(),
-                       (long long)s.end_ns.load());
-}
-
 PyObject* get_waiters(PyObject* self, void*) {
   auto* f = self_of(self);
   if (f->waiters == nullptr && (f->waiters = PyList_New(0)) == nullptr) return nullptr;
@@ -188,7 +164,6 @@ PyMethodDef methods[] = {
     {"running", running, METH_NOARGS, nullptr},
     {"_cancel_native", cancel_native, METH_NOARGS, nullptr},
     {"_mark_observed", mark_observed, METH_NOARGS, nullptr},
-    {"_stream_wait", stream_wait, METH_O, "Makes a cudaStream_t (int) wait on the task's event."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyGetSetDef getset[] = {
@@ -200,7 +175,6 @@ PyGetSetDef getset[] = {
      "The cudaEvent_t (as an int) recorded on the lane stream after the task; 0 on CPU lanes.",
      nullptr},
     {"_native_error", get_native_error, nullptr, nullptr, nullptr},
-    {"_times", get_times, nullptr, "(submit_ns, start_ns, end_ns)", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 PyMemberDef members[] = {

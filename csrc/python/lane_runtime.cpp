@@ -15,6 +15,21 @@ namespace {
 
 constexpr int64_t kEnterPollNs = 100'000;
 
+// Note [No static locals that call Python]: a function-local static is guarded by a
+// C++ lock held during its initializer. If that initializer imports (and so lets the
+// GIL go), a second thread can block on the guard while holding the GIL: deadlock.
+// Python objects needed here are cached in plain globals set under the GIL instead; a
+// lost race only imports twice.
+PyObject* cached_attr(PyObject*& slot, const char* module, const char* name) {
+  if (slot == nullptr) slot = py::object(py::module_::import(module).attr(name)).release().ptr();
+  return slot;
+}
+
+PyObject* call_in_state_fn = nullptr;
+PyObject* capture_fn = nullptr;
+PyObject* init_thread_fn = nullptr;
+PyObject* torch_name = nullptr;
+
 bool call_bool(PyObject* fn, PyObject* arg = nullptr) {
   PyObject* r = arg ? PyObject_CallOneArg(fn, arg) : PyObject_CallNoArgs(fn);
   if (r == nullptr) throw py::error_already_set();
@@ -41,10 +56,9 @@ struct TorchApi {
 
   /// Null until torch is in sys.modules. Entered.
   static const TorchApi* get() {
-    static TorchApi* api = nullptr;
     if (api != nullptr) return api;
-    static PyObject* name = PyUnicode_InternFromString("torch");
-    PyObject* torch = PyDict_GetItem(PyImport_GetModuleDict(), name);  // borrowed
+    if (torch_name == nullptr) torch_name = PyUnicode_InternFromString("torch");
+    PyObject* torch = PyDict_GetItem(PyImport_GetModuleDict(), torch_name);  // borrowed
     if (torch == nullptr) return nullptr;
     auto attr = [](PyObject* obj, const char* name) {
       PyObject* value = PyObject_GetAttrString(obj, name);
@@ -65,11 +79,13 @@ struct TorchApi {
     api = fresh;
     return api;
   }
+
+ private:
+  static TorchApi* api;  // see Note [No static locals that call Python]
 };
 
-py::object import_attr(const char* module, const char* name) {
-  return py::module_::import(module).attr(name);
-}
+TorchApi* TorchApi::api = nullptr;
+
 
 // Stores the task's outcome on the future: its result, or the exception with a note
 // naming the lane. Entered; consumes `result` (null means an exception is set).
@@ -143,8 +159,8 @@ class PythonTask final : public TaskBody {
       }
     }
     if (torch_.special) {
-      static PyObject* call_in_state =
-          import_attr("pydflash._torch_state", "call_in_state").release().ptr();
+      PyObject* call_in_state =
+          cached_attr(call_in_state_fn, "pydflash._torch_state", "call_in_state");
       PyObject* kwargs = kwargs_.is_none() ? PyDict_New() : kwargs_.inc_ref().ptr();
       PyObject* r = PyObject_CallFunctionObjArgs(call_in_state, torch_.special.ptr(), fn_.ptr(),
                                                  args_.ptr(), kwargs, nullptr);
@@ -261,7 +277,7 @@ TorchSnapshot TorchSnapshot::capture() {
   snap.captured = true;
   snap.grad = call_bool(api->is_grad_enabled);
   if (call_bool(api->is_inference_mode_enabled) || api->any_autocast()) {
-    static PyObject* capture = import_attr("pydflash._torch_state", "capture").release().ptr();
+    PyObject* capture = cached_attr(capture_fn, "pydflash._torch_state", "capture");
     PyObject* state = PyObject_CallNoArgs(capture);
     if (state == nullptr) throw py::error_already_set();
     snap.special = py::reinterpret_steal<py::object>(state);
@@ -305,8 +321,7 @@ void LaneRuntime::prepare_task(Lane& lane) {
     if (TorchApi::get() == nullptr) return;
     // First task after torch was imported: per-thread torch setup (device, stream,
     // Triton allocator, registered hooks), returning how to re-select the stream.
-    static PyObject* init_thread =
-        import_attr("pydflash._lane_runtime", "init_thread").release().ptr();
+    PyObject* init_thread = cached_attr(init_thread_fn, "pydflash._lane_runtime", "init_thread");
     PyObject* r = PyObject_CallFunction(init_thread, "iKK", lane.device(),
                                         (unsigned long long)(uintptr_t)lane.stream(),
                                         (unsigned long long)(uintptr_t)lane.copy_stream());

@@ -1,0 +1,49 @@
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none visible); runs on the GPU host")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def python_subprocess_env():
+    """Environment for child interpreters: this checkout importable, output unbuffered."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture
+def run_python(python_subprocess_env):
+    """Runs a Python snippet in a fresh interpreter; returns the CompletedProcess."""
+    import subprocess
+
+    def run(code: str, timeout: float = 60, env: dict | None = None):
+        return subprocess.run(
+            [sys.executable, "-c", code],
+            env={**python_subprocess_env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    return run

@@ -1,0 +1,74 @@
+"""Many producer threads on a barrier: nothing lost, nothing run twice."""
+
+import collections
+import threading
+
+import pydflash
+
+PRODUCERS = 8
+TASKS_EACH = 400
+ROUNDS = 5
+
+
+def test_many_producers_nothing_lost_or_doubled():
+    with pydflash.Dispatcher(["cpu"] * 4, guard_triton=False) as d:
+        for _ in range(ROUNDS):
+            runs = collections.Counter()
+            runs_lock = threading.Lock()
+            barrier = threading.Barrier(PRODUCERS)
+            futures: dict[int, list] = {}
+
+            def task(key):
+                with runs_lock:
+                    runs[key] += 1
+                return key
+
+            def produce(p):
+                barrier.wait()
+                futures[p] = [
+                    (d if i % 2 else d.lanes[i % 4]).submit(task, (p, i)) for i in range(TASKS_EACH)
+                ]
+
+            threads = [threading.Thread(target=produce, args=(p,)) for p in range(PRODUCERS)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for p, fs in futures.items():
+                assert [f.result(timeout=30) for f in fs] == [(p, i) for i in range(TASKS_EACH)]
+            assert len(runs) == PRODUCERS * TASKS_EACH
+            assert set(runs.values()) == {1}
+        stats = d.stats()["lanes"]
+        assert sum(s["completed"] for s in stats) == ROUNDS * PRODUCERS * TASKS_EACH
+
+
+def test_waiters_on_other_threads_all_wake():
+    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+        for _ in range(50):
+            gate = threading.Event()
+            f = d.submit(gate.wait)
+            barrier = threading.Barrier(9)
+            got = []
+
+            def waiter():
+                barrier.wait()
+                got.append(f.result(timeout=10))
+
+            threads = [threading.Thread(target=waiter) for _ in range(8)]
+            for t in threads:
+                t.start()
+            barrier.wait()
+            gate.set()
+            for t in threads:
+                t.join()
+            assert got == [True] * 8
+
+
+def test_tasks_submitting_to_other_lanes():
+    with pydflash.Dispatcher(["cpu"] * 2, guard_triton=False) as d:
+        a, b = d.lanes
+
+        def fan_out(n):
+            return sum(f.result() for f in [b.submit(pow, i, 2) for i in range(n)])
+
+        assert a.submit(fan_out, 100).result(timeout=30) == sum(i * i for i in range(100))

@@ -1,0 +1,249 @@
+"""The concurrent.futures.Executor contract, on CPU lanes."""
+
+import asyncio
+import concurrent.futures as cf
+import threading
+import time
+import traceback
+
+import pytest
+
+import pydflash
+
+
+@pytest.fixture
+def dispatcher():
+    d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
+    yield d
+    d.shutdown(wait=True, cancel_futures=True)
+
+
+def blocker():
+    """A task that runs until released, to hold a lane busy."""
+    gate = threading.Event()
+    return gate, gate.wait
+
+
+def test_submit_result_args_kwargs(dispatcher):
+    assert dispatcher.submit(lambda a, b=0: a + b, 40, b=2).result() == 42
+    assert dispatcher.lanes[1].submit(divmod, 7, 2).result(timeout=5) == (3, 1)
+
+
+def test_future_is_a_concurrent_future_and_reports_its_lane(dispatcher):
+    lane = dispatcher.lanes[1]
+    f = lane.submit(int, "3")
+    assert isinstance(f, cf.Future)
+    assert f.result() == 3 and f.done() and not f.running() and not f.cancelled()
+    assert f.lane is lane and f.event == 0
+    assert "finished" in repr(f)
+
+
+def test_map_keeps_order_across_lanes(dispatcher):
+    def slow_square(x):
+        time.sleep(0.001 * (x % 3))
+        return x * x
+
+    assert list(dispatcher.map(slow_square, range(50))) == [x * x for x in range(50)]
+    assert list(dispatcher.lanes[0].map(pow, [2, 3], [3, 2])) == [8, 9]
+
+
+def test_map_timeout(dispatcher):
+    gate, wait = blocker()
+    results = dispatcher.lanes[0].map(lambda _: wait(), [1])
+    with pytest.raises(TimeoutError):
+        list(dispatcher.lanes[0].map(lambda x: x, [1], timeout=0.05))
+    gate.set()
+    assert list(results) == [True]
+
+
+def test_exception_keeps_type_traceback_and_names_the_lane(dispatcher):
+    def explode():
+        raise KeyError("missing")
+
+    f = dispatcher.lanes[1].submit(explode)
+    with pytest.raises(KeyError) as info:
+        f.result()
+    assert "raised in pydflash lane 1 (cpu)" in info.value.__notes__
+    frames = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
+    assert "explode" in frames
+    assert isinstance(f.exception(), KeyError)
+
+
+def test_result_timeout_then_completion(dispatcher):
+    gate, wait = blocker()
+    f = dispatcher.lanes[0].submit(wait)
+    with pytest.raises(TimeoutError):
+        f.result(timeout=0.02)
+    with pytest.raises(TimeoutError):
+        f.exception(timeout=0)
+    gate.set()
+    assert f.result(timeout=5) is True
+
+
+def test_cancel_queued_but_not_running(dispatcher):
+    lane = dispatcher.lanes[0]
+    gate, wait = blocker()
+    running = lane.submit(wait)
+    ran = []
+    queued = lane.submit(ran.append, 1)
+    while not running.running():
+        time.sleep(0.001)
+    assert not running.cancel()
+    assert queued.cancel() and queued.cancelled() and queued.done()
+    with pytest.raises(cf.CancelledError):
+        queued.result()
+    with pytest.raises(cf.CancelledError):
+        queued.exception()
+    gate.set()
+    running.result()
+    lane.submit(lambda: None).result()
+    assert ran == []
+
+
+def test_done_callbacks_before_and_after_completion(dispatcher):
+    gate, wait = blocker()
+    f = dispatcher.lanes[0].submit(wait)
+    seen = []
+    done = threading.Event()
+    f.add_done_callback(lambda fut: seen.append(("early", fut.result())))
+    f.add_done_callback(lambda fut: done.set())
+    gate.set()
+    assert done.wait(5)
+    f.add_done_callback(lambda fut: seen.append(("late", fut.result())))
+    assert seen == [("early", True), ("late", True)]
+
+
+def test_callback_runs_on_cancel(dispatcher):
+    lane = dispatcher.lanes[0]
+    gate, wait = blocker()
+    lane.submit(wait)
+    queued = lane.submit(lambda: None)
+    seen = []
+    queued.add_done_callback(lambda fut: seen.append(fut.cancelled()))
+    assert queued.cancel()
+    assert seen == [True]
+    gate.set()
+
+
+def test_wait_and_as_completed(dispatcher):
+    gate, wait = blocker()
+    slow = dispatcher.lanes[0].submit(wait)
+    fast = [dispatcher.lanes[1].submit(lambda i=i: i) for i in range(20)]
+    done, not_done = cf.wait(fast + [slow], timeout=5, return_when=cf.FIRST_COMPLETED)
+    assert done and slow in not_done
+    assert sorted(f.result() for f in cf.as_completed(fast, timeout=5)) == list(range(20))
+    failing = dispatcher.lanes[1].submit(lambda: 1 / 0)
+    done, _ = cf.wait([slow, failing], timeout=5, return_when=cf.FIRST_EXCEPTION)
+    assert failing in done and slow not in done
+    gate.set()
+    done, not_done = cf.wait([slow], timeout=5)
+    assert slow in done and not not_done
+
+
+def test_asyncio_wrap_future(dispatcher):
+    async def main():
+        values = await asyncio.gather(
+            *(asyncio.wrap_future(dispatcher.submit(pow, 2, i)) for i in range(10))
+        )
+        with pytest.raises(ZeroDivisionError):
+            await asyncio.wrap_future(dispatcher.submit(lambda: 1 / 0))
+        return values
+
+    assert asyncio.run(main()) == [2**i for i in range(10)]
+
+
+def test_futures_cannot_be_completed_by_hand(dispatcher):
+    f = dispatcher.submit(lambda: 1)
+    for call in (lambda: f.set_result(2), lambda: f.set_exception(ValueError()),
+                 f.set_running_or_notify_cancel):
+        with pytest.raises(RuntimeError, match="lane"):
+            call()
+    with pytest.raises(TypeError, match="made by lanes"):
+        pydflash.Future()
+    assert f.result() == 1
+
+
+def test_shutdown_waits_for_queued_work():
+    d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    done = []
+    for i in range(20):
+        d.submit(lambda i=i: (time.sleep(0.001), done.append(i)))
+    d.shutdown(wait=True)
+    assert done == list(range(20))
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        d.submit(print)
+
+
+def test_shutdown_cancel_futures_resolves_everything():
+    d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
+    gates = [threading.Event() for _ in d.lanes]
+    running = [lane.submit(g.wait) for lane, g in zip(d.lanes, gates)]
+    queued = [d.submit(lambda: "ran") for _ in range(40)]
+    while not all(f.running() for f in running):
+        time.sleep(0.001)
+    for g in gates:
+        g.set()
+    d.shutdown(wait=True, cancel_futures=True)
+    assert all(f.done() for f in queued + running)
+    assert all(f.result() for f in running)
+    outcomes = {("cancelled" if f.cancelled() else f.result()) for f in queued}
+    assert "cancelled" in outcomes and outcomes <= {"cancelled", "ran"}
+
+
+def test_shutdown_without_wait_returns_at_once():
+    d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    gate = threading.Event()
+    f = d.submit(gate.wait)
+    start = time.perf_counter()
+    d.shutdown(wait=False)
+    assert time.perf_counter() - start < 0.5
+    gate.set()
+    assert f.result(timeout=5) is True
+
+
+def test_context_manager_shuts_down():
+    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+        f = d.submit(time.sleep, 0.01)
+    assert f.done()
+    with pytest.raises(RuntimeError):
+        d.submit(print)
+
+
+def test_least_busy_placement():
+    with pydflash.Dispatcher(["cpu"] * 3, guard_triton=False) as d:
+        gates = [threading.Event() for _ in range(3)]
+        try:
+            d.lanes[0].submit(gates[0].wait)
+            # Each new task goes to an idle lane; a popped-but-not-started task counts.
+            placed = [d.submit(gate.wait).lane.index for gate in gates[1:]]
+            assert sorted(placed) == [1, 2]
+            assert [lane.load() for lane in d.lanes] == [1, 1, 1]
+        finally:
+            for gate in gates:
+                gate.set()
+
+
+def test_stats_count_work(dispatcher):
+    for f in [dispatcher.lanes[0].submit(lambda: None) for _ in range(10)]:
+        f.result()
+    stats = dispatcher.stats()
+    lane0 = stats["lanes"][0]
+    assert lane0["submitted"] == lane0["completed"] == 10
+    assert lane0["device"] == "cpu" and lane0["queued"] == 0
+
+
+def test_lanes_and_on(dispatcher):
+    assert [lane.index for lane in dispatcher.lanes] == [0, 1]
+    assert dispatcher.on("cpu") is dispatcher.lanes[0]
+    assert dispatcher.on("cpu", 1) is dispatcher.lanes[1]
+    assert all(lane.device == "cpu" and lane.device_index is None for lane in dispatcher.lanes)
+    assert dispatcher.lanes[0].stream is None and dispatcher.lanes[0].stream_ptr == 0
+    with pytest.raises(ValueError, match=r"lane index in \[0, 2\)"):
+        dispatcher.on("cpu", 2)
+
+
+def test_default_devices_without_a_gpu():
+    if pydflash._C.device_count():
+        pytest.skip("a GPU is visible: the default is one lane per GPU (tests/test_cuda.py)")
+    with pydflash.Dispatcher(guard_triton=False) as d:
+        assert [lane.device for lane in d.lanes] == ["cpu"]

@@ -1,0 +1,143 @@
+"""Process-level behaviour: Ctrl-C during a wait, exit with live lanes, fork."""
+
+import os
+import textwrap
+import time
+import warnings
+
+import pytest
+
+import pydflash
+
+
+def test_ctrl_c_interrupts_a_wait_promptly(run_python):
+    code = textwrap.dedent(
+        """
+        import os, signal, threading, time, pydflash
+        d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+        gate = threading.Event()
+        f = d.submit(gate.wait)
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        start = time.perf_counter()
+        try:
+            f.result()
+        except KeyboardInterrupt:
+            print("interrupted after %.3f s" % (time.perf_counter() - start))
+        gate.set()
+        print("then", f.result(timeout=5))
+        d.shutdown()
+        """
+    )
+    out = run_python(code, timeout=30)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    assert lines[0].startswith("interrupted after") and float(lines[0].split()[2]) < 2.0
+    assert lines[1] == "then True"
+
+
+def test_exit_with_live_dispatcher_and_queued_work(run_python):
+    code = textwrap.dedent(
+        """
+        import time, pydflash
+        d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
+        for _ in range(100):
+            d.submit(time.sleep, 0.2)
+        time.sleep(0.05)
+        print("leaving")
+        """
+    )
+    start = time.perf_counter()
+    out = run_python(code, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "leaving" and out.stderr == ""
+    # Queued sleeps are cancelled; only the two running ones finish.
+    assert time.perf_counter() - start < 10
+
+
+def test_exit_with_a_task_that_never_returns(run_python):
+    code = textwrap.dedent(
+        """
+        import threading, time, pydflash
+        d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+        f = d.submit(threading.Event().wait)
+        while not f.running():
+            time.sleep(0.001)
+        print("leaving")
+        """
+    )
+    start = time.perf_counter()
+    out = run_python(code, timeout=60, env={"PYDFLASH_EXIT_TIMEOUT": "0.5"})
+    assert out.returncode == 0, out.stderr
+    assert "still running a task at exit" in out.stderr
+    assert time.perf_counter() - start < 20
+
+
+def test_dropped_dispatcher_finishes_its_queue(run_python):
+    code = textwrap.dedent(
+        """
+        import gc, time, pydflash
+        done = []
+        d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+        fs = [d.submit(done.append, i) for i in range(50)]
+        del d; gc.collect()
+        print(sum(f.result(timeout=10) is None for f in fs), len(done))
+        """
+    )
+    out = run_python(code, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["50", "50"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_fork_child_gets_a_clear_error_and_can_start_its_own():
+    d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    d.submit(lambda: None).result()
+    read_end, write_end = os.pipe()
+    with warnings.catch_warnings():
+        # Python 3.12+ warns that forking a multi-threaded process may deadlock.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # child: report through the pipe, never return into pytest
+        status = "ok"
+        try:
+            d.submit(print)
+            status = "no error"
+        except RuntimeError as e:
+            if "forked child" not in str(e):
+                status = f"wrong message: {e}"
+        try:
+            with pydflash.Dispatcher(["cpu"], guard_triton=False) as child:
+                if child.submit(pow, 2, 5).result(timeout=10) != 32:
+                    status = "child dispatcher gave a wrong result"
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            status = f"child dispatcher failed: {e!r}"
+        os.write(write_end, status.encode())
+        os._exit(0)
+    os.close(write_end)
+    _, wait_status = os.waitpid(pid, 0)
+    message = os.read(read_end, 1000).decode()
+    os.close(read_end)
+    assert os.WEXITSTATUS(wait_status) == 0
+    assert message == "ok"
+    assert d.submit(pow, 3, 2).result() == 9
+    d.shutdown()
+
+
+def test_python_m_pydflash_prints_build_info(run_python):
+    out = run_python("import runpy; runpy.run_module('pydflash', run_name='__main__')")
+    assert out.returncode == 0, out.stderr
+    fields = dict(line.split(None, 1) for line in out.stdout.strip().splitlines())
+    assert fields["pydflash"] == pydflash.__version__
+    assert fields["built_with_cuda"] in {"True", "False"}
+    assert "visible_devices" in fields and "torch" in fields
+
+
+def test_version_is_compiled_in():
+    assert pydflash._C.__version__ == pydflash.__version__
+    assert pydflash.build_info()["native_version"] == pydflash.__version__
+
+
+def test_import_touches_no_gpu(run_python):
+    out = run_python("import sys, pydflash; print('torch' in sys.modules)")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,49 @@
+"""pydflash/_C.pyi lists exactly what pydflash._C defines (names and members)."""
+
+import ast
+from pathlib import Path
+
+import pydflash
+from pydflash import _C
+
+STUB = Path(pydflash.__file__).with_name("_C.pyi")
+
+
+def stub_names():
+    tree = ast.parse(STUB.read_text())
+    names, members = set(), {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.AnnAssign):
+            names.add(node.target.id)
+        if isinstance(node, ast.ClassDef):
+            members[node.name] = {
+                n.name if isinstance(n, ast.FunctionDef) else n.target.id
+                for n in node.body
+                if isinstance(n, (ast.FunctionDef, ast.AnnAssign))
+            } - {"__init__"}
+    return names, members
+
+
+def module_names():
+    names = {n for n in dir(_C) if not n.startswith("__") or n == "__version__"}
+    members = {
+        name: {m for m in vars(getattr(_C, name)) if not (m.startswith("__") or m.startswith("_pybind11"))}
+        for name in names
+        if isinstance(getattr(_C, name), type)
+    }
+    return names, members
+
+
+def test_stub_matches_the_module():
+    stub, stub_members = stub_names()
+    module, module_members = module_names()
+    assert stub == module, f"only in stub: {stub - module}; only in module: {module - stub}"
+    for cls, members in module_members.items():
+        assert stub_members[cls] == members, f"{cls}: stub {stub_members[cls] ^ members}"
+
+
+def test_package_ships_the_stub_and_py_typed():
+    assert STUB.is_file()
+    assert STUB.with_name("py.typed").is_file()
