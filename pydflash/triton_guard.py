@@ -11,6 +11,8 @@
   (`reset_to_zero`, `restore_value`, `Config.pre_hook`, `post_hook`) see only the
   calling thread's tensors and the disk cache gets the timings of the key it names.
   See Note [Per-thread autotuner state].
+- A key's configs compile in parallel before its first benchmark (Note [Compiling
+  configs in parallel]).
 - JIT compiles (`JITFunction._do_compile`, Triton 3.5+) are single-flight per
   (kernel, device, specialization), and a compiled kernel is loaded onto its device
   once (`CompiledKernel._init_handles`), so two lanes on one GPU never race there.
@@ -324,6 +326,10 @@ class _Installation:
         ok &= check.source_has(
             "triton.runtime.autotuner.Autotuner._bench", Autotuner._bench, ("{**self.nargs,",)
         )
+        bench_params = inspect.signature(Autotuner._bench).parameters
+        if "config" not in bench_params or bench_params["config"].kind is not inspect.Parameter.KEYWORD_ONLY:
+            check.problems.append("Autotuner._bench takes no keyword-only `config`")
+            ok = False
         for name in _PER_THREAD_ATTRIBUTES:
             if name in vars(Autotuner):
                 check.problems.append(f"Autotuner already defines a class attribute `{name}`")
@@ -332,6 +338,7 @@ class _Installation:
         def plan() -> None:
             original_run = Autotuner.run
             self.patches.append(_Patch(Autotuner, "run", _make_guarded_run(original_run)))
+            self.patches.append(_Patch(Autotuner, "_bench", _make_precompiling_bench(Autotuner._bench)))
             for name in _PER_THREAD_ATTRIBUTES:
                 self.patches.append(_Patch(Autotuner, name, _PerThread(name, _PER_THREAD_DEFAULTS[name])))
             self.features["autotuner"] = True
@@ -547,12 +554,15 @@ def _make_guarded_run(original_run: Callable[..., Any]) -> Callable[..., Any]:
         def work() -> tuple:
             # The unpatched run benchmarks (with per-thread state) and launches this
             # thread's own call; waiters only need the config it leaves in the cache.
+            _tuning.autotuner = self  # its first benchmark compiles every config first
             try:
                 return me, original_run(self, *args, **kwargs), None
             except Exception as exc:
                 if key in self.cache:  # tuned; only this thread's launch failed
                     return me, None, exc
                 raise
+            finally:
+                _tuning.autotuner = None
 
         name = getattr(getattr(self, "base_fn", None), "__name__", "kernel")
         holder, result, error = compile_queue.run(
@@ -582,6 +592,75 @@ def _benchmark_slot() -> str:
     from triton.runtime.driver import driver
 
     return compile_queue.slot_for_device(driver.active.get_current_device())
+
+
+# Note [Compiling configs in parallel]
+# A cold autotune key compiles every config, one after another, inside the benchmark
+# loop, and compiling dominates a cold start. When the holder of a key is about to run
+# its first benchmark (so the disk cache missed), it compiles all the configs at once on
+# a few threads (Triton compiles in its own MLIR context each time, and ptxas runs as a
+# subprocess), then benchmarks as usual: every config is found compiled. A failed
+# compile is left for the benchmark, which compiles it again and handles the error as
+# Triton always does. PYDFLASH_PRECOMPILE_THREADS sets the threads (0: off).
+_tuning = threading.local()
+
+
+def _precompile_threads() -> int:
+    value = os.environ.get("PYDFLASH_PRECOMPILE_THREADS")
+    if value is None:
+        return min(8, os.cpu_count() or 1)
+    try:
+        return max(0, int(value))
+    except ValueError:
+        raise ValueError(f"expected PYDFLASH_PRECOMPILE_THREADS as an int, got {value!r}") from None
+
+
+def _make_precompiling_bench(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _bench(self: Any, *args: Any, config: Any, **meta: Any) -> Any:
+        if getattr(_tuning, "autotuner", None) is self:
+            _tuning.autotuner = None
+            _precompile(self, args, meta)
+        return original(self, *args, config=config, **meta)
+
+    functools.update_wrapper(_bench, original)
+    return _bench
+
+
+def _precompile(autotuner: Any, args: tuple, meta: dict) -> None:
+    threads = _precompile_threads()
+    slot = _benchmark_slot()
+    if threads == 0 or not slot.startswith("cuda:"):
+        return  # the interpreter compiles nothing
+    configs = autotuner.prune_configs(meta)  # as the benchmark loop does, this thread's nargs
+    if len(configs) < 2:
+        return
+    device = int(slot.split(":")[1])
+    jit = autotuner.fn
+    while hasattr(jit, "fn") and not hasattr(jit, "device_caches"):
+        jit = jit.fn
+    if hasattr(jit, "device_caches"):
+        jit.device_caches[device]  # create the per-device cache here, not in a race
+    options = {k: v for k, v in meta.items() if k not in ("grid", "warmup")}
+
+    def compile_config(config: Any) -> None:
+        _set_thread_device(device)
+        try:
+            autotuner.fn.run(*args, grid=(1, 1, 1), warmup=True, **options, **config.all_kwargs())
+        except Exception:  # noqa: BLE001 - the benchmark meets it again, see the Note
+            pass
+
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(
+        max_workers=min(threads, len(configs)), thread_name_prefix="pydflash-precompile"
+    ) as pool:
+        list(pool.map(compile_config, configs))
+
+
+def _set_thread_device(device: int) -> None:
+    from triton.runtime.driver import driver
+
+    driver.active.set_current_device(device)
 
 
 # --- compiles and kernel loads ----------------------------------------------------------

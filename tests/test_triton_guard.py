@@ -70,6 +70,7 @@ def patched_attributes():
 
     names = [
         (Autotuner, "run"),
+        (Autotuner, "_bench"),
         (Autotuner, "nargs"),
         (Autotuner, "restore_copies"),
         (Autotuner, "configs_timings"),
@@ -272,6 +273,50 @@ def test_a_kernel_is_never_seen_half_loaded(guard_module, monkeypatch, guarded):
         t.join()
     assert loads == ["loader"]
     assert seen == ([("launcher", "fn")] if guarded else [("launcher", None)])
+
+
+@pytest.mark.parametrize("threads", ["4", "0"])
+def test_a_cold_keys_configs_compile_in_parallel_before_its_first_benchmark(guard_module, monkeypatch, threads):
+    from triton.runtime.autotuner import Autotuner, Config
+
+    events: list = []
+
+    def kernel(x, n, BLOCK):
+        pass
+
+    class Kernel:  # stands for the JITFunction under the autotuner
+        arg_names = ["x", "n"]
+        fn = staticmethod(kernel)
+
+        def run(self, *args, grid, warmup, **kwargs):
+            events.append((warmup, kwargs["BLOCK"], threading.current_thread().name))
+            if warmup and kwargs["BLOCK"] == 64:
+                raise RuntimeError("does not compile")  # left for the benchmark to meet
+
+    monkeypatch.setattr(guard_module, "_benchmark_slot", lambda: "cuda:0")  # no GPU here
+    monkeypatch.setattr(guard_module, "_set_thread_device", lambda device: None)
+    monkeypatch.setenv("PYDFLASH_PRECOMPILE_THREADS", threads)
+    guard_module.guard_triton()
+    tuner = Autotuner(
+        Kernel(),
+        Kernel.arg_names,
+        [Config({"BLOCK": b}) for b in (16, 32, 64)],
+        ["n"],
+        None,
+        None,
+        do_bench=lambda call, quantiles: (call(), [float(len(events))] * 3)[1],
+    )
+    tuner[(1,)]("x", 100)
+    tuner[(1,)]("x", 100)  # a hit: nothing compiles
+    compiled = [e for e in events if e[0]]
+    launched = [e for e in events if not e[0]]
+    if threads == "0":
+        assert compiled == []
+    else:
+        assert sorted(block for _, block, _ in compiled) == [16, 32, 64]
+        assert all(name.startswith("pydflash-precompile") for _, _, name in compiled)
+        assert events[: len(compiled)] == compiled  # all before the first benchmark
+    assert [block for _, block, _ in launched] == [16, 32, 64, 16, 16]  # 3 benchmarks, 2 calls
 
 
 def test_lane_threads_use_the_process_allocator(guard_module):
