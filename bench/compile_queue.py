@@ -38,7 +38,11 @@ def run(ctx: Context) -> list[Row]:
     try:
         import triton  # noqa: F401
     except ImportError:
-        return [Row(SECTION, "triton guard", float("nan"), "us", note="Triton is not installed: skipped")]
+        return [
+            Row(
+                SECTION, "triton guard", float("nan"), "us", note="Triton is not installed: skipped"
+            )
+        ]
     ctx.progress("autotune hit path, launch stub")
     rows.append(_hit_path_stub(ctx))
     if ctx.gpus:
@@ -54,7 +58,9 @@ def run(ctx: Context) -> list[Row]:
 # --- hit path ---------------------------------------------------------------------------
 
 
-def _interleaved(bare: Callable[[], None], guarded: Callable[[], None], rounds: int, inner: int) -> tuple:
+def _interleaved(
+    bare: Callable[[], None], guarded: Callable[[], None], rounds: int, inner: int
+) -> tuple:
     """Median seconds per call of each, measured in alternating batches so drift hits both."""
     from pydflash import triton_guard
 
@@ -119,7 +125,12 @@ def _hit_path_stub(ctx: Context) -> Row:
             return None
 
     tuner = Autotuner(
-        Launch(), Launch.arg_names, [Config({"BT": b}) for b in (16, 32, 64)], ["T", "H"], None, None,
+        Launch(),
+        Launch.arg_names,
+        [Config({"BT": b}) for b in (16, 32, 64)],
+        ["T", "H"],
+        None,
+        None,
         do_bench=lambda call, quantiles: (call(), [1.0, 1.0, 1.0])[1],
     )
     tensors = [torch.empty(1) for _ in range(4)]
@@ -131,7 +142,10 @@ def _hit_path_stub(ctx: Context) -> Row:
     def measure() -> Row:
         bare, guarded = _interleaved(call, call, ctx.reps(15, 5), ctx.reps(20000, 3000))
         return _hit_row(
-            "autotune hit, launch stub", bare, guarded, "Autotuner.run dispatch only (4 tensors, 2 ints)"
+            "autotune hit, launch stub",
+            bare,
+            guarded,
+            "Autotuner.run dispatch only (4 tensors, 2 ints)",
         )
 
     return _with_guard_state_restored(measure)
@@ -147,7 +161,11 @@ def _hit_path_gpu(ctx: Context) -> Row:
     def add(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask), mask=mask)
+        tl.store(
+            out_ptr + offs,
+            tl.load(x_ptr + offs, mask=mask) + tl.load(y_ptr + offs, mask=mask),
+            mask=mask,
+        )
 
     n = 4096
     x, y, out = (torch.randn(n, device="cuda") for _ in range(3))
@@ -162,7 +180,9 @@ def _hit_path_gpu(ctx: Context) -> Row:
     def measure() -> Row:
         bare, guarded = _interleaved(call, call, ctx.reps(15, 5), ctx.reps(5000, 500))
         torch.cuda.synchronize()
-        return _hit_row("autotune hit, GPU launch", bare, guarded, "host time per launch of a tuned kernel")
+        return _hit_row(
+            "autotune hit, GPU launch", bare, guarded, "host time per launch of a tuned kernel"
+        )
 
     return _with_guard_state_restored(measure)
 
@@ -177,8 +197,13 @@ def _queue_uncontended(ctx: Context) -> Row:
         for _ in range(inner):
             compile_queue.run("bench:uncontended", _nothing)
         samples.append((time.perf_counter() - start) / inner)
-    return Row(SECTION, "compile_queue.run, uncontended", statistics.median(samples) * 1e6, "us",
-               note="what a miss pays before its work; hits never enter the queue")
+    return Row(
+        SECTION,
+        "compile_queue.run, uncontended",
+        statistics.median(samples) * 1e6,
+        "us",
+        note="what a miss pays before its work; hits never enter the queue",
+    )
 
 
 def _nothing() -> None:
@@ -192,10 +217,15 @@ def _cold_start(ctx: Context) -> list[Row]:
     lanes = max(2, 2 * ctx.gpus) if ctx.gpus else 4
     kernels, configs = (3, 3) if ctx.quick else (6, 4)
     common = ["--lanes", str(lanes), "--kernels", str(kernels), "--configs", str(configs)]
-    runs = {mode: _child(["cold", "--mode", mode, *common], interpret=not ctx.gpus) for mode in ("sequential", "lanes")}
+    runs = {
+        mode: _child(["cold", "--mode", mode, *common], interpret=not ctx.gpus)
+        for mode in ("sequential", "lanes")
+    }
     if ctx.gpus and not ctx.quick:
         runs["lanes, no precompile"] = _child(
-            ["cold", "--mode", "lanes", *common], interpret=False, env={"PYDFLASH_PRECOMPILE_THREADS": "0"}
+            ["cold", "--mode", "lanes", *common],
+            interpret=False,
+            env={"PYDFLASH_PRECOMPILE_THREADS": "0"},
         )
     sequential = runs["sequential"]["seconds"]
     rows = []
@@ -217,7 +247,10 @@ def _cold_start(ctx: Context) -> list[Row]:
                 met=ratio <= COLD_START_GOAL if ctx.gpus else None,
                 note=f"{kernels} autotuned kernels x {configs} configs"
                 + ("; interpreted on the CPU (launches serialized)" if not ctx.gpus else ""),
-                extra={"benchmarks": result["benchmarks"], "sequential_benchmarks": runs["sequential"]["benchmarks"]},
+                extra={
+                    "benchmarks": result["benchmarks"],
+                    "sequential_benchmarks": runs["sequential"]["benchmarks"],
+                },
             )
         )
     return rows
@@ -225,14 +258,23 @@ def _cold_start(ctx: Context) -> list[Row]:
 
 def _child(args: list[str], interpret: bool, env: dict[str, str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="pydflash-bench-cache-") as cache:
-        child_env = {**os.environ, "TRITON_CACHE_DIR": cache, "PYTHONPATH": str(ROOT), **(env or {})}
+        child_env = {
+            **os.environ,
+            "TRITON_CACHE_DIR": cache,
+            "PYTHONPATH": str(ROOT),
+            **(env or {}),
+        }
         if interpret:
             child_env["TRITON_INTERPRET"] = "1"
         else:
             child_env.pop("TRITON_INTERPRET", None)
         proc = subprocess.run(
             [sys.executable, "-m", "bench.compile_queue", *args],
-            cwd=ROOT, env=child_env, capture_output=True, text=True, timeout=900,
+            cwd=ROOT,
+            env=child_env,
+            capture_output=True,
+            text=True,
+            timeout=900,
         )
     if proc.returncode != 0:
         raise RuntimeError(f"cold-start child {args} failed:\n{proc.stdout}\n{proc.stderr}")
@@ -244,6 +286,7 @@ def _cold_child(mode: str, lanes: int, kernels: int, configs: int) -> dict[str, 
     import torch
     import triton
     import triton.language as tl
+
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     device = "cpu" if interpret else "cuda"
     benchmarks = []
@@ -277,7 +320,10 @@ def _cold_child(mode: str, lanes: int, kernels: int, configs: int) -> dict[str, 
 
     def make_kernel(index: int):
         return triton.autotune(
-            configs=[triton.Config({"BLOCK": 64 * 2**c}, num_warps=2 ** (c % 3 + 1)) for c in range(configs)],
+            configs=[
+                triton.Config({"BLOCK": 64 * 2**c}, num_warps=2 ** (c % 3 + 1))
+                for c in range(configs)
+            ],
             key=["n"],
             do_bench=counted_bench,
         )(triton.jit(getattr(bench_kernels, f"scale_{index}")))
@@ -295,7 +341,10 @@ def _cold_child(mode: str, lanes: int, kernels: int, configs: int) -> dict[str, 
 
     devices = list(range(torch.cuda.device_count())) if not interpret else []
     if mode == "sequential":
-        inputs = [torch.ones(n, device=device if not devices else f"cuda:{i % len(devices)}") for i in range(lanes)]
+        inputs = [
+            torch.ones(n, device=device if not devices else f"cuda:{i % len(devices)}")
+            for i in range(lanes)
+        ]
         start = time.perf_counter()
         for x in inputs:  # first tunes, the rest hit
             if devices:
@@ -308,7 +357,9 @@ def _cold_child(mode: str, lanes: int, kernels: int, configs: int) -> dict[str, 
     else:
         from pydflash import Dispatcher
 
-        lane_devices = [f"cuda:{i % len(devices)}" for i in range(lanes)] if devices else ["cpu"] * lanes
+        lane_devices = (
+            [f"cuda:{i % len(devices)}" for i in range(lanes)] if devices else ["cpu"] * lanes
+        )
         dispatcher = Dispatcher(lane_devices)
         try:
             inputs = [(torch.ones(n, device="cpu" if not devices else d),) for d in lane_devices]
@@ -338,7 +389,9 @@ def main() -> None:
         return
     from pydflash.devices import visible_gpus
 
-    ctx = Context(quick=args.quick, gpus=visible_gpus(), progress=lambda s: print(f"... {s}", file=sys.stderr))
+    ctx = Context(
+        quick=args.quick, gpus=visible_gpus(), progress=lambda s: print(f"... {s}", file=sys.stderr)
+    )
     for row in run(ctx):
         print(json.dumps(row.as_dict()))
 

@@ -31,7 +31,9 @@ def slot_for_device(device: int | None) -> str:
     return "cpu" if device is None or device < 0 else f"cuda:{device}"
 
 
-def run(key: str, fn: Callable[[], T], *, slot: str | None = None, timeout: float | None = None) -> T:
+def run(
+    key: str, fn: Callable[[], T], *, slot: str | None = None, timeout: float | None = None
+) -> T:
     """Runs fn() as the holder of `key`, or waits for the current holder and returns its
     result (or raises its exception). `slot`: a resource held exclusively while fn runs,
     e.g. `slot_for_device(0)`. `timeout`: seconds to wait before raising

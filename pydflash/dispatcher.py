@@ -91,24 +91,28 @@ class Dispatcher(concurrent.futures.Executor):
             raise TypeError(f"expected a callable, got {type(fn).__name__}")
         if isinstance(inputs_per_lane, (str, bytes)) or not isinstance(inputs_per_lane, Iterable):
             raise TypeError(
-                f"expected inputs_per_lane as a sequence of argument tuples, got {type(inputs_per_lane).__name__}"
+                "expected inputs_per_lane as a sequence of argument tuples, "
+                f"got {type(inputs_per_lane).__name__}"
             )
         inputs = list(inputs_per_lane)
         if len(inputs) != len(self._lanes):
             raise ValueError(
-                f"expected one entry of inputs_per_lane per lane ({len(self._lanes)}), got {len(inputs)}"
+                f"expected one entry of inputs_per_lane per lane ({len(self._lanes)}), "
+                f"got {len(inputs)}"
             )
         for i, args in enumerate(inputs):
             if args is not None and not isinstance(args, (tuple, list)):
                 raise TypeError(
-                    f"expected inputs_per_lane[{i}] as a tuple of arguments or None, got {type(args).__name__}"
+                    f"expected inputs_per_lane[{i}] as a tuple of arguments or None, "
+                    f"got {type(args).__name__}"
                 )
         from .triton_guard import guard_triton as install_guard
 
         guard = install_guard(missing_ok=True)
         try:
             futures = [
-                None if args is None else lane.submit(fn, *args) for lane, args in zip(self._lanes, inputs)
+                None if args is None else lane.submit(fn, *args)
+                for lane, args in zip(self._lanes, inputs)
             ]
             concurrent.futures.wait([f for f in futures if f is not None])
             return [None if f is None else f.result() for f in futures]

@@ -224,7 +224,9 @@ class _PerThread:
             value = obj.__dict__.get(self.name, _MISSING)
         if value is _MISSING:
             if self.default is None:
-                raise AttributeError(f"{type(obj).__name__!r} object has no attribute {self.name!r}")
+                raise AttributeError(
+                    f"{type(obj).__name__!r} object has no attribute {self.name!r}"
+                )
             value = self.default()
         return value
 
@@ -322,12 +324,17 @@ class _Installation:
     def _plan_autotuner(self, check: _Checker) -> Callable[[], None]:
         from triton.runtime.autotuner import Autotuner
 
-        ok = check.source_has("triton.runtime.autotuner.Autotuner.run", Autotuner.run, _RUN_HOT_PATH)
+        ok = check.source_has(
+            "triton.runtime.autotuner.Autotuner.run", Autotuner.run, _RUN_HOT_PATH
+        )
         ok &= check.source_has(
             "triton.runtime.autotuner.Autotuner._bench", Autotuner._bench, ("{**self.nargs,",)
         )
         bench_params = inspect.signature(Autotuner._bench).parameters
-        if "config" not in bench_params or bench_params["config"].kind is not inspect.Parameter.KEYWORD_ONLY:
+        if (
+            "config" not in bench_params
+            or bench_params["config"].kind is not inspect.Parameter.KEYWORD_ONLY
+        ):
             check.problems.append("Autotuner._bench takes no keyword-only `config`")
             ok = False
         for name in _PER_THREAD_ATTRIBUTES:
@@ -338,9 +345,13 @@ class _Installation:
         def plan() -> None:
             original_run = Autotuner.run
             self.patches.append(_Patch(Autotuner, "run", _make_guarded_run(original_run)))
-            self.patches.append(_Patch(Autotuner, "_bench", _make_precompiling_bench(Autotuner._bench)))
+            self.patches.append(
+                _Patch(Autotuner, "_bench", _make_precompiling_bench(Autotuner._bench))
+            )
             for name in _PER_THREAD_ATTRIBUTES:
-                self.patches.append(_Patch(Autotuner, name, _PerThread(name, _PER_THREAD_DEFAULTS[name])))
+                self.patches.append(
+                    _Patch(Autotuner, name, _PerThread(name, _PER_THREAD_DEFAULTS[name]))
+                )
             self.features["autotuner"] = True
 
         return plan if ok else _nothing
@@ -363,7 +374,8 @@ class _Installation:
         ok = params[:4] == ["self", "key", "signature", "device"]
         if not ok:
             check.problems.append(
-                f"JITFunction._do_compile takes {params}, expected (self, key, signature, device, ...)"
+                f"JITFunction._do_compile takes {params}, "
+                "expected (self, key, signature, device, ...)"
             )
         ok &= check.source_has(
             "triton.runtime.jit.JITFunction.run",
@@ -377,7 +389,9 @@ class _Installation:
         )
 
         def plan() -> None:
-            self.patches.append(_Patch(JITFunction, "_do_compile", _make_single_flight_compile(do_compile)))
+            self.patches.append(
+                _Patch(JITFunction, "_do_compile", _make_single_flight_compile(do_compile))
+            )
             self.features["jit_single_flight"] = True
 
         return plan if ok else _nothing
@@ -406,7 +420,9 @@ class _Installation:
 
         def plan() -> None:
             original = CompiledKernel._init_handles
-            self.patches.append(_Patch(CompiledKernel, "_init_handles", _make_single_flight_load(original)))
+            self.patches.append(
+                _Patch(CompiledKernel, "_init_handles", _make_single_flight_load(original))
+            )
             if isinstance(run, property):
                 self.patches.append(_Patch(CompiledKernel, "run", property(_loaded_run)))
             self.features["kernel_load"] = True

@@ -125,7 +125,9 @@ def test_a_slot_serves_its_callers_in_arrival_order():
 def test_other_slots_proceed_while_one_is_held():
     release = threading.Event()
     busy = fresh_key("busy")
-    holder = threading.Thread(target=compile_queue.run, args=(busy, release.wait), kwargs={"slot": "cuda:5"})
+    holder = threading.Thread(
+        target=compile_queue.run, args=(busy, release.wait), kwargs={"slot": "cuda:5"}
+    )
     holder.start()
     eventually(lambda: (flight(busy) or {}).get("running"), "holder running")
     try:
@@ -152,7 +154,9 @@ def test_the_holder_reenters_its_key_and_slot():
 def test_a_timeout_names_the_key_its_holder_and_how_long():
     key = fresh_key("slow")
     release = threading.Event()
-    holder = threading.Thread(target=compile_queue.run, args=(key, release.wait), name="lane 3 (cuda:1)")
+    holder = threading.Thread(
+        target=compile_queue.run, args=(key, release.wait), name="lane 3 (cuda:1)"
+    )
     holder.start()
     eventually(lambda: (flight(key) or {}).get("running"), "holder running")
     try:
@@ -181,7 +185,10 @@ def test_ctrl_c_interrupts_a_wait():
     holder.start()
     eventually(lambda: (flight(key) or {}).get("running"), "holder running")
     interrupter = threading.Thread(
-        target=lambda: (eventually(lambda: waiters(key) == 1, "main waiting"), _thread.interrupt_main())
+        target=lambda: (
+            eventually(lambda: waiters(key) == 1, "main waiting"),
+            _thread.interrupt_main(),
+        )
     )
     interrupter.start()
     try:
@@ -202,7 +209,9 @@ def test_an_interrupted_holder_hands_its_key_to_a_waiter():
         eventually(lambda: waiters(key) == 1, "a waiter")
         raise KeyboardInterrupt
 
-    waiter = threading.Thread(target=lambda: got.append(compile_queue.run(key, lambda: "waiter ran it")))
+    waiter = threading.Thread(
+        target=lambda: got.append(compile_queue.run(key, lambda: "waiter ran it"))
+    )
 
     def start_waiter():
         waiter.start()

@@ -90,7 +90,9 @@ def test_the_guard_is_idempotent_and_reversible(guard_module):
     first = guard_module.guard_triton()
     second = guard_module.guard_triton()
     during = patched_attributes()
-    assert all(during[k] is not before[k] for k in before), [k for k in before if during[k] is before[k]]
+    assert all(during[k] is not before[k] for k in before), [
+        k for k in before if during[k] is before[k]
+    ]
     assert first.features == {
         "autotuner": True,
         "jit_single_flight": True,
@@ -127,7 +129,9 @@ def test_unknown_internals_are_refused_naming_versions(guard_module, monkeypatch
         guard_module.guard_triton()
     message = str(info.value)
     assert f"pydflash {__version__} cannot guard Triton {triton.__version__}" in message
-    assert "Autotuner.run no longer contains `self.nargs = dict(zip(self.arg_names, args))`" in message
+    assert (
+        "Autotuner.run no longer contains `self.nargs = dict(zip(self.arg_names, args))`" in message
+    )
     assert "Dispatcher(guard_triton=False)" in message
     assert not guard_module.is_guarded()
     assert patched_attributes() == before  # nothing half-installed
@@ -160,7 +164,14 @@ def test_autotuner_call_state_is_per_thread(guard_module):
     def kernel(x_ptr, n, BLOCK: tl.constexpr):
         pass
 
-    tuner = Autotuner(kernel, kernel.arg_names, [Config({"BLOCK": 16}), Config({"BLOCK": 32})], ["n"], None, ["x_ptr"])
+    tuner = Autotuner(
+        kernel,
+        kernel.arg_names,
+        [Config({"BLOCK": 16}), Config({"BLOCK": 32})],
+        ["n"],
+        None,
+        ["x_ptr"],
+    )
     tuner.nargs = {"n": "before the guard"}
     mixed = []
     with guard_module.guard_triton():
@@ -174,7 +185,11 @@ def test_autotuner_call_state_is_per_thread(guard_module):
                 tuner.nargs = mine
                 tuner.restore_copies = mine
                 tuner.configs_timings = mine
-                if not (tuner.nargs is mine and tuner.restore_copies is mine and tuner.configs_timings is mine):
+                if not (
+                    tuner.nargs is mine
+                    and tuner.restore_copies is mine
+                    and tuner.configs_timings is mine
+                ):
                     mixed.append((i, j))
 
         threads = [threading.Thread(target=body, args=(i,)) for i in range(4)]
@@ -203,7 +218,9 @@ def test_jit_compiles_are_single_flight_per_kernel_device_and_key(guard_module, 
         compiles.append(device)
         # Hold until the other callers wait for this (device, key), and until the other
         # device's compile runs too: devices do not wait for each other.
-        eventually(lambda: waiting_on("jit:") >= 3 * len(kernels) or len(compiles) == 2, "callers waiting")
+        eventually(
+            lambda: waiting_on("jit:") >= 3 * len(kernels) or len(compiles) == 2, "callers waiting"
+        )
         eventually(lambda: len(compiles) == 2, "both devices compiling at once")
         kernel = kernels.setdefault(device, object())
         kernel_cache[key] = kernel
@@ -250,8 +267,16 @@ def test_a_kernel_is_never_seen_half_loaded(guard_module, monkeypatch, guarded):
         self._run = "launcher"
         loads.append(threading.current_thread().name)
         half_loaded.set()
-        eventually(lambda: reader_done.is_set() or waiting_on("load:") == 1, "the reader went ahead")
-        self.module, self.function, self.n_regs, self.n_spills, self.n_max_threads = "module", "fn", 0, 0, 0
+        eventually(
+            lambda: reader_done.is_set() or waiting_on("load:") == 1, "the reader went ahead"
+        )
+        self.module, self.function, self.n_regs, self.n_spills, self.n_max_threads = (
+            "module",
+            "fn",
+            0,
+            0,
+            0,
+        )
 
     monkeypatch.setattr(CompiledKernel, "_init_handles", _init_handles)
     if guarded:
@@ -266,7 +291,10 @@ def test_a_kernel_is_never_seen_half_loaded(guard_module, monkeypatch, guarded):
         seen.append((kernel.run, kernel.function))  # what JITFunction.run passes to a launch
         reader_done.set()
 
-    threads = [threading.Thread(target=lambda: kernel.run, name="loader"), threading.Thread(target=reader)]
+    threads = [
+        threading.Thread(target=lambda: kernel.run, name="loader"),
+        threading.Thread(target=reader),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -276,7 +304,9 @@ def test_a_kernel_is_never_seen_half_loaded(guard_module, monkeypatch, guarded):
 
 
 @pytest.mark.parametrize("threads", ["4", "0"])
-def test_a_cold_keys_configs_compile_in_parallel_before_its_first_benchmark(guard_module, monkeypatch, threads):
+def test_a_cold_keys_configs_compile_in_parallel_before_its_first_benchmark(
+    guard_module, monkeypatch, threads
+):
     from triton.runtime.autotuner import Autotuner, Config
 
     events: list = []
@@ -344,7 +374,9 @@ def test_lane_threads_use_the_process_allocator(guard_module):
     lanes = Dispatcher(["cpu"] * 2, guard_triton=False)
     try:
         triton.set_allocator(allocator)  # after the lanes started, on this thread
-        assert [lane.submit(allocate).result() for lane in lanes.lanes] == [("buffer", 64, True)] * 2
+        assert [lane.submit(allocate).result() for lane in lanes.lanes] == [
+            ("buffer", 64, True)
+        ] * 2
     finally:
         lanes.shutdown()
         guard.uninstall()
@@ -365,7 +397,9 @@ FAKE_FLA = {
             @functools.wraps(fn)
             def wrapper(*args, **kwargs):
                 for cached_args, cached_kwargs, cached_result in cached:
-                    if len(args) == len(cached_args) and all(a is b for a, b in zip(args, cached_args)):
+                    if len(args) == len(cached_args) and all(
+                        a is b for a, b in zip(args, cached_args)
+                    ):
                         return cached_result
                 result = fn(*args, **kwargs)
                 cached.append((args, kwargs, result))
@@ -401,7 +435,9 @@ def cache_type(fn) -> type:
     return type(_tensor_cache_cell(fn).cell_contents)
 
 
-@pytest.mark.parametrize("imported_first", [False, True], ids=["guard-then-import", "import-then-guard"])
+@pytest.mark.parametrize(
+    "imported_first", [False, True], ids=["guard-then-import", "import-then-guard"]
+)
 def test_fla_tensor_cache_is_made_thread_safe(guard_module, fake_fla, imported_first):
     from pydflash.triton_guard import _SnapshotDeque
 
@@ -489,7 +525,11 @@ def test_first_calls_of_a_compiled_module_go_through_the_queue(guard_module):
             t.join()
         with torch.no_grad():
             assert all(torch.allclose(r, module(x)) for r, x in zip(results, inputs))
-        first_calls = [k for k in compile_queue.stats()["keys"] if k.startswith(f"torch.compile:Linear@{id(compiled):x}")]
+        first_calls = [
+            k
+            for k in compile_queue.stats()["keys"]
+            if k.startswith(f"torch.compile:Linear@{id(compiled):x}")
+        ]
         assert first_calls  # at least the first call went through the queue
     finally:
         guard.uninstall()
@@ -519,7 +559,11 @@ def test_warmup_runs_on_every_lane_with_the_guard_on(guard_module):
         ((5, [(1,)]), TypeError, "expected a callable, got int"),
         ((print, 3), TypeError, "inputs_per_lane as a sequence of argument tuples, got int"),
         ((print, [(1,)]), ValueError, r"one entry of inputs_per_lane per lane \(2\), got 1"),
-        ((print, [(1,), 2]), TypeError, r"inputs_per_lane\[1\] as a tuple of arguments or None, got int"),
+        (
+            (print, [(1,), 2]),
+            TypeError,
+            r"inputs_per_lane\[1\] as a tuple of arguments or None, got int",
+        ),
     ],
 )
 def test_warmup_rejects_bad_arguments(args, error, match):
@@ -611,7 +655,11 @@ def test_many_lanes_mixed_keys_every_result_exact(guarded):
 def test_a_subclass_like_fla_cached_autotuner_is_guarded():
     """An Autotuner subclass that overrides run() and installs its own restore hooks
     (as flash-linear-attention's CachedAutotuner does) gets the same protection."""
-    assert run_case("subclass", guarded=True) == {"errors": [], "wrong": [], "foreign_hook_calls": 0}
+    assert run_case("subclass", guarded=True) == {
+        "errors": [],
+        "wrong": [],
+        "foreign_hook_calls": 0,
+    }
     bare = run_case("subclass", guarded=False)
     assert bare["errors"] or bare["wrong"]
 
@@ -756,7 +804,10 @@ def _child(case: str, guarded: bool) -> dict:
             guarded_call("thread 2", second_call)
             t2_done.set()
 
-        threads = [threading.Thread(target=thread1, name="thread 1"), threading.Thread(target=thread2, name="thread 2")]
+        threads = [
+            threading.Thread(target=thread1, name="thread 1"),
+            threading.Thread(target=thread2, name="thread 2"),
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -775,7 +826,9 @@ def _child(case: str, guarded: bool) -> dict:
 
     if case == "foreign":
         guarded_call("main", call_accumulate, 64, 0)
-        forced_pair(lambda: call_accumulate(64, 2), lambda done: done.is_set(), second_key_stops=True)
+        forced_pair(
+            lambda: call_accumulate(64, 2), lambda done: done.is_set(), second_key_stops=True
+        )
         return {"errors": errors, "foreign_hook_calls": len(foreign_hook_calls), "wrong": wrong}
 
     if case == "cold":
@@ -811,7 +864,9 @@ def _child(case: str, guarded: bool) -> dict:
         dispatcher = Dispatcher(["cpu"] * 4, guard_triton=guarded)
         try:
             futures = [dispatcher.on("cpu", i).submit(worker, i) for i in range(4)]
-            threads = [threading.Thread(target=worker, args=(4 + i,), name=f"thread {i}") for i in range(4)]
+            threads = [
+                threading.Thread(target=worker, args=(4 + i,), name=f"thread {i}") for i in range(4)
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -827,7 +882,8 @@ def _child(case: str, guarded: bool) -> dict:
             "calls": len(done_calls),
             "expected_calls": 8 * per_worker,
             "benchmarks_per_key": {
-                f"{name}:{n}": count / (2 if name == "accumulate" else 3) for (name, n), count in benchmarks.items()
+                f"{name}:{n}": count / (2 if name == "accumulate" else 3)
+                for (name, n), count in benchmarks.items()
             },
         }
 
@@ -844,7 +900,9 @@ def _child(case: str, guarded: bool) -> dict:
                     for name in self.reset_to_zero:
                         kw[name].zero_()
                     if not reset_only:
-                        self.restore_copies = {name: kw[name].clone() for name in self.restore_value}
+                        self.restore_copies = {
+                            name: kw[name].clone() for name in self.restore_value
+                        }
 
                 def _post_hook(kw, exception):
                     for name, copy in self.restore_copies.items():
@@ -857,7 +915,13 @@ def _child(case: str, guarded: bool) -> dict:
                 return super().run(*args, **kwargs)
 
         cached_like = CachedLike(
-            accumulate.fn, accumulate.arg_names, configs, ["n"], ["out_ptr"], ["acc_ptr"], do_bench=cpu_do_bench
+            accumulate.fn,
+            accumulate.arg_names,
+            configs,
+            ["n"],
+            ["out_ptr"],
+            ["acc_ptr"],
+            do_bench=cpu_do_bench,
         )
 
         def call_sub(n, seed):
@@ -873,7 +937,12 @@ def _child(case: str, guarded: bool) -> dict:
             return None if torch.equal(acc, acc0 + x) and torch.equal(out, 2 * x) else f"n={n}"
 
         guarded_call("main", call_sub, 64, 0)
-        forced_pair(lambda: call_sub(64, 2), lambda done: done.is_set(), second_key_stops=True, first_call=call_sub)
+        forced_pair(
+            lambda: call_sub(64, 2),
+            lambda done: done.is_set(),
+            second_key_stops=True,
+            first_call=call_sub,
+        )
         return {"errors": errors, "wrong": wrong, "foreign_hook_calls": len(foreign_hook_calls)}
 
     raise SystemExit(f"unknown case {case!r}")

@@ -50,15 +50,25 @@ RELATIVE_TOLERANCE = 2e-2  # bf16; a foreign or zeroed tensor is far off
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--procs", type=int, default=10, help="fresh processes per mode (guarded, bare)")
-    parser.add_argument("--lanes", type=int, default=8, help="lanes (threads) per process, all on one GPU")
-    parser.add_argument("--parallel", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 4)),
-                        help="trial processes at once after the timed ones")
+    parser.add_argument(
+        "--procs", type=int, default=10, help="fresh processes per mode (guarded, bare)"
+    )
+    parser.add_argument(
+        "--lanes", type=int, default=8, help="lanes (threads) per process, all on one GPU"
+    )
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=max(1, min(4, (os.cpu_count() or 2) // 4)),
+        help="trial processes at once after the timed ones",
+    )
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--workload", choices=["fla", "toy"], default="fla")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--out", type=Path, help="also write every trial's result here (JSON)")
-    parser.add_argument("--child", choices=["guarded", "bare", "sequential"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child", choices=["guarded", "bare", "sequential"], help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args)), flush=True)
@@ -66,7 +76,10 @@ def main() -> int:
     if args.procs < 1 or args.lanes < 1 or args.parallel < 1:
         parser.error("--procs, --lanes and --parallel must be >= 1")
     if args.device == "cpu" and args.workload == "fla":
-        parser.error("flash-linear-attention does not run in Triton's interpreter: use --workload toy on a CPU")
+        parser.error(
+            "flash-linear-attention does not run in Triton's interpreter: "
+            "use --workload toy on a CPU"
+        )
 
     started = time.perf_counter()
     print(f"timed runs, alone: sequential warmup and guarded, {args.lanes} lanes, cold", flush=True)
@@ -77,7 +90,11 @@ def main() -> int:
     trials = ["bare", "guarded"] * args.procs
     trials.remove("guarded")  # one guarded trial ran above
     print(f"{len(trials)} more cold processes, {args.parallel} at a time", flush=True)
-    results: dict[str, list[dict]] = {"guarded": [guarded_first], "bare": [], "sequential": [sequential]}
+    results: dict[str, list[dict]] = {
+        "guarded": [guarded_first],
+        "bare": [],
+        "sequential": [sequential],
+    }
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
         for mode, result in zip(trials, pool.map(lambda mode: run_child(args, mode), trials)):
             results[mode].append(result)
@@ -86,7 +103,8 @@ def main() -> int:
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     guarded_failed = any(
-        r["died"] or any(lane["error"] or lane["wrong"] for lane in r["lanes"]) for r in results["guarded"]
+        r["died"] or any(lane["error"] or lane["wrong"] for lane in r["lanes"])
+        for r in results["guarded"]
     )
     return 1 if guarded_failed else 0
 
@@ -102,25 +120,44 @@ def run_child(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         if args.device == "cpu":
             env["TRITON_INTERPRET"] = "1"
         command = [
-            sys.executable, __file__, "--child", mode, "--lanes", str(args.lanes), "--seq-len", str(args.seq_len),
-            "--workload", args.workload, "--device", args.device,
+            sys.executable,
+            __file__,
+            "--child",
+            mode,
+            "--lanes",
+            str(args.lanes),
+            "--seq-len",
+            str(args.seq_len),
+            "--workload",
+            args.workload,
+            "--device",
+            args.device,
         ]
         start = time.perf_counter()
         try:
-            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+            proc = subprocess.run(
+                command, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S
+            )
             returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
         except subprocess.TimeoutExpired as exc:
-            returncode, stdout, stderr = None, exc.stdout or "", f"timed out after {CHILD_TIMEOUT_S} s"
+            returncode, stdout, stderr = (
+                None,
+                exc.stdout or "",
+                f"timed out after {CHILD_TIMEOUT_S} s",
+            )
     lines = [line for line in (stdout or "").splitlines() if line.startswith("{")]
     if returncode == 0 and lines:
         return {**json.loads(lines[-1]), "died": None}
     tail = (stderr if isinstance(stderr, str) else stderr.decode(errors="replace"))[-2000:]
+    last_line = tail.strip().splitlines()[-1] if tail.strip() else ""
     return {
         "mode": mode,
-        "died": f"exit status {returncode}: {tail.strip().splitlines()[-1] if tail.strip() else ''}",
+        "died": f"exit status {returncode}: {last_line}",
         "stderr_tail": tail,
         "seconds": time.perf_counter() - start,
-        "lanes": [{"error": "process died", "where": "", "wrong": False} for _ in range(args.lanes)],
+        "lanes": [
+            {"error": "process died", "where": "", "wrong": False} for _ in range(args.lanes)
+        ],
     }
 
 
@@ -128,15 +165,24 @@ def report_progress(mode: str, result: dict) -> None:
     crashed = sum(1 for lane in result["lanes"] if lane["error"])
     wrong = sum(1 for lane in result["lanes"] if lane["wrong"])
     died = f", died: {result['died']}" if result["died"] else ""
-    print(f"  {mode:10s} {result['seconds']:7.1f} s  crashed lanes {crashed}  wrong {wrong}{died}", flush=True)
+    print(
+        f"  {mode:10s} {result['seconds']:7.1f} s  crashed lanes {crashed}  wrong {wrong}{died}",
+        flush=True,
+    )
 
 
 def print_summary(args: argparse.Namespace, results: dict[str, list[dict]], wall_s: float) -> None:
     print()
-    work = "chunk_gated_delta_rule forward+backward" if args.workload == "fla" else "toy autotuned kernels"
+    work = (
+        "chunk_gated_delta_rule forward+backward"
+        if args.workload == "fla"
+        else "toy autotuned kernels"
+    )
     print(f"{work}, {args.lanes} lanes on one {args.device} device, cold cache per process")
-    header = f"{'mode':11s} {'procs':>5s} {'lanes':>5s} {'crashed lanes':>13s} {'procs w/ crash':>14s} " \
-             f"{'wrong':>5s} {'died':>4s} {'cold s (median)':>15s}"
+    header = (
+        f"{'mode':11s} {'procs':>5s} {'lanes':>5s} {'crashed lanes':>13s} {'procs w/ crash':>14s} "
+        f"{'wrong':>5s} {'died':>4s} {'cold s (median)':>15s}"
+    )
     print(header)
     print("-" * len(header))
     for mode in ("guarded", "bare", "sequential"):
@@ -146,20 +192,29 @@ def print_summary(args: argparse.Namespace, results: dict[str, list[dict]], wall
         wrong = sum(1 for r in runs for lane in r["lanes"] if lane["wrong"])
         died = sum(1 for r in runs if r["died"])
         cold = statistics.median(r["seconds"] for r in runs)
-        print(f"{mode:11s} {len(runs):5d} {args.lanes:5d} {crashed:13d} {procs_crashed:14d} {wrong:5d} {died:4d} "
-              f"{cold:15.1f}")
+        print(
+            f"{mode:11s} {len(runs):5d} {args.lanes:5d} {crashed:13d} {procs_crashed:14d} "
+            f"{wrong:5d} {died:4d} {cold:15.1f}"
+        )
     sequential, guarded = results["sequential"][0], results["guarded"][0]
     if not sequential["died"] and not guarded["died"]:
         ratio = guarded["seconds"] / sequential["seconds"]
-        print(f"\ncold start, alone: {args.lanes} guarded lanes {guarded['seconds']:.1f} s vs sequential warmup "
-              f"{sequential['seconds']:.1f} s = {ratio:.2f}x (goal <= 1.05)")
+        print(
+            f"\ncold start, alone: {args.lanes} guarded lanes {guarded['seconds']:.1f} s "
+            f"vs sequential warmup {sequential['seconds']:.1f} s = {ratio:.2f}x (goal <= 1.05)"
+        )
         if "queue" in guarded:
             q = guarded["queue"]
-            print(f"  compile queue: {q['autotune_keys']} autotune keys, {q['runs']} runs, {q['waits']} waits, "
-                  f"longest wait {q['max_wait_s']:.1f} s")
+            print(
+                f"  compile queue: {q['autotune_keys']} autotune keys, {q['runs']} runs, "
+                f"{q['waits']} waits, longest wait {q['max_wait_s']:.1f} s"
+            )
     for mode in ("guarded", "bare"):
         errors = collections.Counter(
-            f"{lane['error']}  [{lane['where']}]" for r in results[mode] for lane in r["lanes"] if lane["error"]
+            f"{lane['error']}  [{lane['where']}]"
+            for r in results[mode]
+            for lane in r["lanes"]
+            if lane["error"]
         )
         if errors:
             print(f"\n{mode} errors:")
@@ -254,7 +309,9 @@ def fla_workload(args: argparse.Namespace, device: Any) -> Workload:
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError as exc:
-        raise SystemExit(f"needs flash-linear-attention (pip install flash-linear-attention==0.6.0): {exc}")
+        raise SystemExit(
+            f"needs flash-linear-attention (pip install flash-linear-attention==0.6.0): {exc}"
+        )
     batch, heads, dim = 2, 4, 128
 
     def make_inputs(lane: int) -> tuple:
@@ -292,6 +349,7 @@ def toy_workload(args: argparse.Namespace, device: Any) -> Workload:
     globals()["tl"] = tl
     options: dict[str, Any] = {}
     if os.environ.get("TRITON_INTERPRET") == "1":
+
         def cpu_do_bench(kernel_call: Callable[[], None], quantiles: Any) -> list[float]:
             start = time.perf_counter()
             kernel_call()
@@ -300,8 +358,9 @@ def toy_workload(args: argparse.Namespace, device: Any) -> Workload:
 
         options["do_bench"] = cpu_do_bench
     configs = [triton.Config({"BLOCK": b}) for b in (16, 32, 64, 128)]
-    accumulate = triton.autotune(configs, key=["n"], reset_to_zero=["out_ptr"], restore_value=["acc_ptr"],
-                                 **options)(triton.jit(toy_accumulate))
+    accumulate = triton.autotune(
+        configs, key=["n"], reset_to_zero=["out_ptr"], restore_value=["acc_ptr"], **options
+    )(triton.jit(toy_accumulate))
     scale = triton.autotune(configs, key=["n"], **options)(triton.jit(toy_scale))
     n = max(64, args.seq_len // 16)
 
@@ -322,7 +381,9 @@ def toy_workload(args: argparse.Namespace, device: Any) -> Workload:
     return make_inputs, step
 
 
-def toy_accumulate(x_ptr, acc_ptr, out_ptr, n, BLOCK: tl.constexpr):  # noqa: F821 - set in toy_workload
+def toy_accumulate(
+    x_ptr, acc_ptr, out_ptr, n, BLOCK: tl.constexpr
+):  # noqa: F821 - set in toy_workload
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # noqa: F821
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask)  # noqa: F821
