@@ -261,7 +261,9 @@ def _child(args: list[str], interpret: bool, env: dict[str, str] | None = None) 
         child_env = {
             **os.environ,
             "TRITON_CACHE_DIR": cache,
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
+            ),
             **(env or {}),
         }
         if interpret:

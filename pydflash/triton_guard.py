@@ -33,6 +33,7 @@ flash-linear-attention does (`FLA_CACHE_RESULTS=1`, its default); with a persist
 from __future__ import annotations
 
 import collections
+import contextvars
 import functools
 import hashlib
 import importlib.abc
@@ -454,6 +455,9 @@ class _Installation:
             self.features["allocator"] = False
             return _nothing
         ok = check.has_attr("triton.runtime._allocation", _allocation, "_allocator")
+        if ok and not isinstance(_allocation._allocator, contextvars.ContextVar):
+            self.features["allocator"] = False  # one per process already (Triton < 3.5)
+            return _nothing
         ok &= check.has_attr("triton.runtime._allocation", _allocation, "set_allocator")
         ok &= check.has_attr("triton.runtime._allocation", _allocation, "NullAllocator")
 

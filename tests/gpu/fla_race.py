@@ -115,7 +115,9 @@ def run_child(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             **os.environ,
             "TRITON_CACHE_DIR": str(Path(scratch) / "triton"),
             "FLA_CONFIG_DIR": str(Path(scratch) / "fla"),
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
+            ),
         }
         if args.device == "cpu":
             env["TRITON_INTERPRET"] = "1"
