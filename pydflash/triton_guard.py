@@ -37,7 +37,6 @@ import contextvars
 import functools
 import hashlib
 import importlib.abc
-import importlib.util
 import inspect
 import os
 import sys
