@@ -85,6 +85,49 @@ class Dispatcher(concurrent.futures.Executor):
         natives = tuple(lane._native for lane in self._lanes)
         return C.submit_least_busy(natives, tuple(self._lanes), fn, *args, **kwargs)
 
+    def warmup(self, fn: Callable[..., Any], inputs_per_lane: Iterable[tuple | None]) -> list[Any]:
+        """Runs fn(*inputs) on every lane at once, with the Triton guard on, so that the
+        kernels of a step are tuned and compiled in one pass: each autotune key is
+        benchmarked once (one benchmark per GPU at a time, GPUs in parallel), each kernel
+        compiled once, and lanes needing the same key wait for it instead of repeating it.
+
+        inputs_per_lane: one tuple of positional arguments per lane, in lane order; None
+        skips a lane. Returns fn's results in lane order (None for skipped lanes); raises
+        the first lane's exception after every lane has finished.
+        """
+        if not callable(fn):
+            raise TypeError(f"expected a callable, got {type(fn).__name__}")
+        if isinstance(inputs_per_lane, (str, bytes)) or not isinstance(inputs_per_lane, Iterable):
+            raise TypeError(
+                "expected inputs_per_lane as a sequence of argument tuples, "
+                f"got {type(inputs_per_lane).__name__}"
+            )
+        inputs = list(inputs_per_lane)
+        if len(inputs) != len(self._lanes):
+            raise ValueError(
+                f"expected one entry of inputs_per_lane per lane ({len(self._lanes)}), "
+                f"got {len(inputs)}"
+            )
+        for i, args in enumerate(inputs):
+            if args is not None and not isinstance(args, (tuple, list)):
+                raise TypeError(
+                    f"expected inputs_per_lane[{i}] as a tuple of arguments or None, "
+                    f"got {type(args).__name__}"
+                )
+        from .triton_guard import guard_triton as install_guard
+
+        guard = install_guard(missing_ok=True)
+        try:
+            futures = [
+                None if args is None else lane.submit(fn, *args)
+                for lane, args in zip(self._lanes, inputs)
+            ]
+            concurrent.futures.wait([f for f in futures if f is not None])
+            return [None if f is None else f.result() for f in futures]
+        finally:
+            if guard is not None:
+                guard.uninstall()
+
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._shutdown_lock:
             self._is_shutdown = True

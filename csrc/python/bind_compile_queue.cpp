@@ -1,5 +1,162 @@
+// _C.compile_queue_*: the process-wide compile queue; pydflash/compile_queue.py is the API.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "core/compile_queue.h"
 #include "python/bindings.h"
 
+namespace py = pybind11;
+
 namespace pydflash::python {
-void init_compile_queue(pybind11::module_&) {}
+namespace {
+
+// A Python BaseException that is not an Exception (KeyboardInterrupt, SystemExit) left
+// the holder's work: the holder was interrupted, so the key goes to a waiter instead of
+// failing everyone (Note [Compile queue fairness]).
+struct HolderInterrupted : CompileQueueInterrupted {
+  explicit HolderInterrupted(py::error_already_set e) : error(std::move(e)) {}
+  py::error_already_set error;
+};
+
+// Results are dropped by whichever caller lets go last, maybe without the GIL.
+CompileResult hold(py::object value) {
+  return CompileResult(new py::object(std::move(value)), [](void* p) {
+    py::gil_scoped_acquire gil;
+    delete static_cast<py::object*>(p);
+  });
+}
+
+// The holder's Python exception, carried to every caller. Not py::error_already_set:
+// that one may be restored only once, and each waiter raises it again.
+struct PythonError : std::exception {
+  explicit PythonError(CompileResult exc) : exception(std::move(exc)) {}
+  const char* what() const noexcept override { return "Python exception in compile-queue work"; }
+  CompileResult exception;
+};
+
+[[noreturn]] void raise_held(const CompileResult& exception) {
+  PyObject* value = static_cast<py::object*>(exception.get())->ptr();
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(value)), value);
+  throw py::error_already_set();
+}
+
+double timeout_seconds(const py::object& timeout) {
+  if (timeout.is_none()) return -1.0;
+  const double t = timeout.cast<double>();
+  PYDFLASH_CHECK_VALUE(t >= 0, "expected a timeout >= 0 seconds or None, got ", t);
+  return t;
+}
+
+py::object run(const std::string& key, const py::object& fn, const std::string& slot,
+               const std::string& label, const py::object& timeout) {
+  PYDFLASH_CHECK_TYPE(PyCallable_Check(fn.ptr()), "expected a callable, got ",
+                      std::string(py::str(py::type::of(fn).attr("__name__"))));
+  CompileOptions options;
+  options.slot = slot;
+  options.label = label;
+  options.timeout_s = timeout_seconds(timeout);
+  auto work = [&fn]() -> CompileResult {
+    py::gil_scoped_acquire gil;
+    try {
+      return hold(fn());
+    } catch (py::error_already_set& e) {
+      if (!e.matches(PyExc_Exception)) throw HolderInterrupted(std::move(e));
+      if (e.trace()) PyException_SetTraceback(e.value().ptr(), e.trace().ptr());
+      throw PythonError(hold(e.value()));
+    }
+  };
+  // Ctrl-C reaches the main thread's waits; the handler's exception stays set until
+  // re-raised below.
+  auto interrupted = [] {
+    py::gil_scoped_acquire gil;
+    return PyErr_CheckSignals() != 0;
+  };
+  CompileResult result;
+  try {
+    py::gil_scoped_release nogil;
+    result = CompileQueue::instance().run(key, work, options, interrupted);
+  } catch (const PythonError& e) {
+    raise_held(e.exception);
+  } catch (HolderInterrupted& e) {
+    throw std::move(e.error);
+  } catch (const CompileQueueInterrupted&) {
+    throw py::error_already_set();
+  }
+  return *static_cast<py::object*>(result.get());
+}
+
+py::dict key_stats(const CompileKeyStats& s) {
+  py::dict d;
+  d["runs"] = s.runs;
+  d["shared"] = s.shared;
+  d["waits"] = s.waits;
+  d["failures"] = s.failures;
+  d["wait_s"] = s.wait_ns * 1e-9;
+  d["max_wait_s"] = s.max_wait_ns * 1e-9;
+  d["run_s"] = s.run_ns * 1e-9;
+  return d;
+}
+
+}  // namespace
+
+void init_compile_queue(py::module_& m) {
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const CompileQueueTimeout& e) {
+      PyErr_SetString(py::module_::import("pydflash.errors").attr("CompileQueueTimeout").ptr(),
+                      e.what());
+    }
+  });
+  m.def("compile_queue_run", &run, py::arg("key"), py::arg("fn"), py::arg("slot"),
+        py::arg("label"), py::arg("timeout"),
+        "Runs fn() as the holder of `key`, or waits (without the GIL) for the holder's result.");
+  m.def("compile_queue_stats", [] {
+    std::map<std::string, CompileKeyStats> stats;
+    {
+      py::gil_scoped_release nogil;  // the queue's lock may be held by a thread wanting the GIL
+      stats = CompileQueue::instance().stats();
+    }
+    py::dict out;
+    for (const auto& [key, s] : stats) out[py::str(key)] = key_stats(s);
+    return out;
+  });
+  m.def("compile_queue_reset_stats", [] {
+    py::gil_scoped_release nogil;
+    CompileQueue::instance().reset_stats();
+  });
+  m.def("compile_queue_in_flight", [] {
+    std::vector<CompileFlightInfo> flights;
+    {
+      py::gil_scoped_release nogil;
+      flights = CompileQueue::instance().in_flight();
+    }
+    py::list out;
+    for (const auto& f : flights) {
+      py::dict d;
+      d["key"] = f.key;
+      d["slot"] = f.slot;
+      d["holder"] = f.holder;
+      d["running"] = f.running;
+      d["since_ns"] = f.since_ns;
+      d["waiters"] = f.waiters;
+      out.append(d);
+    }
+    return out;
+  });
+  m.def("compile_queue_set_timeout", [](const py::object& timeout) {
+    const double t = timeout_seconds(timeout);
+    py::gil_scoped_release nogil;
+    CompileQueue::instance().set_default_timeout(t);
+  });
+  m.def("compile_queue_timeout", [] {
+    double t;
+    {
+      py::gil_scoped_release nogil;
+      t = CompileQueue::instance().default_timeout();
+    }
+    return t < 0 ? py::none() : py::object(py::float_(t));
+  });
+}
+
 }  // namespace pydflash::python
