@@ -202,9 +202,12 @@ def _bars(ax: Any, section: str, metric: str, bars: list[tuple[Row, float]]) -> 
             _, _, bound = parse_target(row.target)
             ax.plot([bound, bound], [y - 0.45, y + 0.45], color="black", linestyle="--",
                     linewidth=1)
+    if metric in ("ratio", "speedup"):
+        ax.axvline(1.0, color="gray", linestyle=":", linewidth=0.8)  # parity with the baseline
     label = {"ratio": "ratio to baseline (value / baseline)", "value": "value",
              "speedup": "speedup over baseline (x)"}[metric]
-    ax.set_title(f"{section}: {label}; dashed: target, green met, red missed", fontsize=8)
+    ax.set_title(f"{section}: {label}; dashed: target (green met, red missed), dotted: 1",
+                 fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
 
 

@@ -76,7 +76,7 @@ def graph_exec_handle(graph: Any, lane: Lane) -> tuple[int, Any]:
     for `lane.submit_graph`. Raises TypeError for anything but a torch.cuda.CUDAGraph
     or CapturedGraph, ValueError for a CPU lane or a graph of another device, and
     GraphCaptureError when the graph has no executable or torch has no raw handle
-    (`submit` then falls back to `replay()`)."""
+    (`submit` then falls back to `replay()`). See Note [Native graph launch]."""
     torch_graph, device = _unwrap(graph)
     _check_lane(lane, device)
     if not native_launch_supported(torch_graph):
@@ -171,17 +171,19 @@ class CapturedGraph:
         return self._native
 
     def run(self, *inputs: Any, clone: bool = False) -> Future:
-        """Copies `inputs` into the static inputs on the lane stream, then replays the
-        graph. No inputs: replays on what the static inputs hold. The future's result
-        is `static_outputs` (overwritten by the next run), or a copy with clone=True.
-        Natively launched, the future completes when the GPU has run the graph."""
+        """Copies `inputs` into the static inputs on the lane stream, once the work
+        queued on the caller's current stream (which may be producing them) is done,
+        then replays the graph. No inputs: replays on what the static inputs hold. The
+        future's result is `static_outputs` (overwritten by the next run), or a copy with
+        clone=True. Natively launched, the future completes when the GPU has run it."""
         self._check_inputs(inputs)
+        ready = _inputs_ready(inputs)
         lane = self._lane
         with self._order:
             if not self._native:
-                return lane.submit(_replay, self.graph, self.static_inputs, inputs,
+                return lane.submit(_replay, self.graph, self.static_inputs, inputs, ready,
                                    self.static_outputs, clone)
-            copied = lane.submit(_copy_in, self.static_inputs, inputs) if inputs else None
+            copied = lane.submit(_copy_in, self.static_inputs, inputs, ready) if inputs else None
             launched = lane.submit_graph(self)
             # Not yet seen by anyone: the launch's result is the static outputs.
             launched._result = self.static_outputs
@@ -299,9 +301,27 @@ def _capture_on_lane(
     return CapturedGraph(lane, graph, static_inputs, outputs)
 
 
-def _copy_in(static_inputs: tuple[Any, ...], inputs: tuple[Any, ...]) -> None:
+def _inputs_ready(inputs: tuple[Any, ...]) -> list[Any]:
+    """Events on the caller's current streams, after the work that may produce the
+    CUDA inputs; the copy-in waits for them."""
+    devices = {t.device for t in inputs if t.is_cuda}
+    if not devices:
+        return []
     import torch
 
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return events
+
+
+def _copy_in(static_inputs: tuple[Any, ...], inputs: tuple[Any, ...], ready: list[Any]) -> None:
+    import torch
+
+    for event in ready:
+        torch.cuda.current_stream().wait_event(event)
     for static, source in zip(static_inputs, inputs):
         static.copy_(source, non_blocking=True)
         if source.is_cuda and source.device == static.device:
@@ -329,11 +349,11 @@ def _clone_after(launched: Future, outputs: Any) -> Any:
 
 
 def _replay(
-    graph: Any, static_inputs: tuple[Any, ...], inputs: tuple[Any, ...], outputs: Any,
-    clone: bool,
+    graph: Any, static_inputs: tuple[Any, ...], inputs: tuple[Any, ...], ready: list[Any],
+    outputs: Any, clone: bool,
 ) -> Any:
     if inputs:
-        _copy_in(static_inputs, inputs)
+        _copy_in(static_inputs, inputs, ready)
     graph.replay()
     return _clone(outputs) if clone else outputs
 

@@ -104,7 +104,8 @@ def make_captured(lane, native=True, shape=(4, 3)):
 
 @pytest.mark.parametrize("not_a_graph", [object(), None, "graph", 7])
 def test_graph_exec_handle_rejects_what_is_not_a_graph(cpu_lane, not_a_graph):
-    with pytest.raises(TypeError, match=r"expected a torch\.cuda\.CUDAGraph or a .*CapturedGraph, got"):
+    expected = r"expected a torch\.cuda\.CUDAGraph or a .*CapturedGraph, got"
+    with pytest.raises(TypeError, match=expected):
         graphs.graph_exec_handle(not_a_graph, cpu_lane)
 
 
@@ -320,6 +321,22 @@ def test_gpu_future_completes_when_the_gpu_is_done(gpu_lane):
 
 @pytest.mark.gpu
 @needs_gpu
+def test_gpu_copy_in_waits_for_the_stream_that_produces_the_input(gpu_lane):
+    from pydflash import _C
+
+    captured = graphs.capture(double_plus_one, torch.zeros(1024, device="cuda"), gpu_lane)
+    producer = torch.cuda.Stream()
+    for value in range(3):
+        with torch.cuda.stream(producer):
+            _C.busy_wait(producer.cuda_stream, 50_000_000)  # the input is late
+            x = torch.full((1024,), float(value), device="cuda")
+            out = captured.run(x, clone=True).wait_stream(producer)
+        producer.synchronize()
+        assert torch.equal(out, torch.full((1024,), 2.0 * value + 1, device="cuda"))
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_graph_stays_alive_until_the_gpu_is_done(gpu_lane):
     from pydflash import _C
 
@@ -347,6 +364,7 @@ def test_gpu_graph_stays_alive_until_the_gpu_is_done(gpu_lane):
 @needs_gpu
 def test_gpu_torch_graph_captured_in_a_task_launches_natively(gpu_lane):
     static = torch.zeros(16, device="cuda")
+    torch.cuda.synchronize()
 
     def capture_here():
         graph = torch.cuda.CUDAGraph()

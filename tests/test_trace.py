@@ -94,7 +94,8 @@ def test_export_writes_a_valid_trace_with_one_span_per_task(traced, tmp_path):
             assert later["ts"] >= earlier["ts"] + earlier["dur"] - 1e-3
         for e in mine:
             assert e["args"]["queue_wait_us"] >= 0
-            assert waits[(pid, f"lane{pid}-task{e['args']['task']}")]["name"] == f"queued: {e['name']}"
+            wait = waits[(pid, f"lane{pid}-task{e['args']['task']}")]
+            assert wait["name"] == f"queued: {e['name']}"
 
 
 def test_spans_are_on_the_clock_that_now_ns_reads(traced):
