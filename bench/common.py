@@ -3,10 +3,15 @@ and the timing helpers. A section is a module with `run(ctx) -> list[Row]`."""
 
 from __future__ import annotations
 
+import math
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
+
+# Seconds per unit, for the units a time can be reported in.
+TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
 
 @dataclass
@@ -15,18 +20,86 @@ class Row:
 
     section: str
     name: str
-    value: float  # median
+    value: float | None  # median; None when the figure was not measured (see `not_run`)
     unit: str  # "us", "ms", "x", "fraction", "bytes", "count"
     baseline_name: str | None = None  # what `ratio` compares against
     baseline: float | None = None  # the alternative's median, same unit
     ratio: float | None = None  # value / baseline (lower is better for times)
-    target: str | None = None  # e.g. "<= 0.25": the issue's goal for `ratio` (or value)
+    target: str | None = None  # the issue's goal, see `meets`: "<= 0.25", "speedup >= 1.8"
     met: bool | None = None  # whether target holds; None when there is no target
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def measured(self) -> bool:
+        return self.value is not None
+
+    @property
+    def speedup(self) -> float | None:
+        """baseline / value for times: how many times faster than the baseline."""
+        if self.unit not in TIME_UNITS or not self.value or self.baseline is None:
+            return None
+        return self.baseline / self.value
+
+
+def compare(
+    section: str,
+    name: str,
+    value: float,
+    unit: str,
+    baseline_name: str | None = None,
+    baseline: float | None = None,
+    target: str | None = None,
+    note: str = "",
+    **extra: Any,
+) -> Row:
+    """A measured row: the ratio and whether the target is met follow from the figures."""
+    ratio = value / baseline if baseline else None
+    row = Row(section, name, value, unit, baseline_name, baseline, ratio, target, None, note, extra)
+    row.met = meets(row)
+    return row
+
+
+def not_run(section: str, name: str, reason: str, target: str | None = None) -> Row:
+    """A row for a figure this machine cannot measure (e.g. "needs a GPU")."""
+    return Row(section, name, None, "", target=target, note=reason, extra={"status": "not run"})
+
+
+_TARGET_RE = re.compile(r"^\s*(?:(value|ratio|speedup)\s+)?(<=|>=|<|>)\s*([0-9.eE+-]+)\s*$")
+
+
+def parse_target(target: str) -> tuple[str | None, str, float]:
+    """("ratio" | "value" | "speedup" | None, op, bound); None means ratio when the row
+    has one, else value. Raises ValueError on anything else."""
+    match = _TARGET_RE.match(target)
+    if match is None:
+        raise ValueError(
+            f"expected a target like '<= 0.25', 'ratio <= 0.1', 'value >= 0.95' or "
+            f"'speedup >= 1.8', got {target!r}"
+        )
+    metric, op, bound = match.groups()
+    return metric, op, float(bound)
+
+
+def meets(row: Row) -> bool | None:
+    """Whether the row's figures satisfy its target; None without a target or figures."""
+    if row.target is None or row.value is None:
+        return None
+    metric, op, bound = parse_target(row.target)
+    if metric is None:
+        metric = "ratio" if row.ratio is not None else "value"
+    figure = {"value": row.value, "ratio": row.ratio, "speedup": row.speedup}[metric]
+    if figure is None or math.isnan(figure):
+        return None
+    return {
+        "<=": figure <= bound,
+        ">=": figure >= bound,
+        "<": figure < bound,
+        ">": figure > bound,
+    }[op]
 
 
 @dataclass
@@ -40,16 +113,38 @@ class Context:
         return quick if self.quick else full
 
 
-def median_time(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
-    """Median wall time of fn() in seconds over `reps` runs after `warmup` runs."""
+def samples(fn: Callable[[], Any], reps: int, warmup: int = 3) -> list[float]:
+    """Wall times of fn() in seconds over `reps` runs after `warmup` runs."""
     for _ in range(warmup):
         fn()
-    samples = []
+    out = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def median_time(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
+    """Median wall time of fn() in seconds over `reps` runs after `warmup` runs."""
+    return statistics.median(samples(fn, reps, warmup))
+
+
+def interleaved_medians(
+    fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2
+) -> dict[str, float]:
+    """Median wall time in seconds of each fn, sampled in turn (a, b, c, a, b, c, ...)
+    so that a change in machine load during the run affects every alternative alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def check(ratio: float, bound: float) -> bool:

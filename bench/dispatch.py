@@ -1,0 +1,101 @@
+"""Section 1, dispatch: what a task costs to hand to a lane and get back.
+
+An empty callable, per task: submit then result (one round trip at a time), and 64
+submitted then waited (pipelined). pydflash's Dispatcher with one lane against
+ThreadPoolExecutor(1), on a CPU lane and, when there is a GPU, on a GPU lane (which
+also records a CUDA event per task). Tracing on is measured against tracing off.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, Callable
+
+from .common import Context, Row, compare, interleaved_medians, not_run
+
+SECTION = "dispatch"
+ROUND_TRIPS_PER_SAMPLE = 20  # round trips per timed sample: a few µs each is below timer noise
+PIPELINED = 64
+TARGET_ROUND_TRIP = "ratio <= 0.25"
+TARGET_PIPELINED = "ratio <= 0.10"
+BASELINE = "ThreadPoolExecutor(1)"
+
+
+def noop() -> None:
+    pass
+
+
+def round_trips(executor: concurrent.futures.Executor) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(ROUND_TRIPS_PER_SAMPLE):
+            executor.submit(noop).result()
+
+    return run
+
+
+def pipelined(executor: concurrent.futures.Executor) -> Callable[[], None]:
+    def run() -> None:
+        futures = [executor.submit(noop) for _ in range(PIPELINED)]
+        [f.result() for f in futures]
+
+    return run
+
+
+def measure(ctx: Context, kind: str, device: Any) -> list[Row]:
+    import pydflash
+
+    reps = ctx.reps(1000, 100)
+    us = 1e6
+    lane = pydflash.Dispatcher([device])
+    traced = pydflash.Dispatcher([device], trace=True)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        ctx.progress(f"{kind} lane: submit→result, {reps} samples of {ROUND_TRIPS_PER_SAMPLE}")
+        single = interleaved_medians(
+            {"pydflash": round_trips(lane), "pool": round_trips(pool),
+             "traced": round_trips(traced), "direct": round_trips_direct},
+            reps,
+        )
+        # Tracing keeps every span until taken: do not let the record grow unbounded.
+        traced.set_tracing(False)
+        for each in traced.lanes:
+            each._native.take_trace()
+        ctx.progress(f"{kind} lane: {PIPELINED} submitted then waited, {reps} samples")
+        batch = interleaved_medians({"pydflash": pipelined(lane), "pool": pipelined(pool)}, reps)
+    finally:
+        lane.shutdown()
+        traced.shutdown()
+        pool.shutdown()
+    per_trip = {k: v / ROUND_TRIPS_PER_SAMPLE * us for k, v in single.items()}
+    per_task = {k: v / PIPELINED * us for k, v in batch.items()}
+    note = "records a CUDA event per task" if kind == "gpu" else ""
+    return [
+        compare(SECTION, f"{kind} lane: submit→result", per_trip["pydflash"], "us", BASELINE,
+                per_trip["pool"], TARGET_ROUND_TRIP, note, direct_call_us=per_trip["direct"],
+                samples=reps),
+        compare(SECTION, f"{kind} lane: {PIPELINED} submitted, then waited", per_task["pydflash"],
+                "us", BASELINE, per_task["pool"], TARGET_PIPELINED, note, samples=reps),
+        compare(SECTION, f"{kind} lane: submit→result, tracing on", per_trip["traced"], "us",
+                "tracing off", per_trip["pydflash"], None, "what recording a trace costs",
+                samples=reps),
+    ]
+
+
+def round_trips_direct() -> None:
+    # The floor: calling the function where the caller is.
+    for _ in range(ROUND_TRIPS_PER_SAMPLE):
+        noop()
+
+
+def run(ctx: Context) -> list[Row]:
+    rows = measure(ctx, "cpu", "cpu")
+    if ctx.gpus:
+        rows += measure(ctx, "gpu", 0)
+    else:
+        reason = "needs a GPU"
+        rows += [
+            not_run(SECTION, "gpu lane: submit→result", reason, TARGET_ROUND_TRIP),
+            not_run(SECTION, f"gpu lane: {PIPELINED} submitted, then waited", reason,
+                    TARGET_PIPELINED),
+        ]
+    return rows

@@ -1,0 +1,258 @@
+"""bench.run, the benchmark suite: it runs on this machine, reports what it measured
+and what it could not, and its targets follow from the figures. No speed is asserted."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import io
+import json
+import math
+import sys
+import types
+
+import pytest
+
+import pydflash
+from bench import report, run
+from bench.common import Row, compare, meets, not_run, parse_target
+
+MEASURED_SECTIONS = ("dispatch", "overlap", "launch_bound")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def strict_json(path) -> dict:
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    with open(path) as f:
+        return json.load(f, parse_constant=refuse)
+
+
+def call_main(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = run.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench")
+    paths = {k: folder / name for k, name in
+             (("json", "r.json"), ("plot", "r.png"), ("trace", "t.json"))}
+    code, out, err = call_main(["--quick", "--sections", ",".join(MEASURED_SECTIONS),
+                                "--json", str(paths["json"]), "--plot", str(paths["plot"]),
+                                "--trace", str(paths["trace"])])
+    return {"code": code, "out": out, "err": err, "result": strict_json(paths["json"]), **paths}
+
+
+def test_quick_run_succeeds_and_reports_every_section(quick_run):
+    assert quick_run["code"] == 0, quick_run["err"]
+    result = quick_run["result"]
+    assert list(result["sections"]) == list(MEASURED_SECTIONS)
+    assert all(s["status"] == "ok" for s in result["sections"].values())
+    sections = {row["section"] for row in result["rows"]}
+    assert sections == set(MEASURED_SECTIONS)
+
+
+def test_header_names_the_machine_and_versions(quick_run):
+    header = quick_run["result"]["header"]
+    info = pydflash.build_info()
+    for key in ("pydflash", "python", "torch", "triton", "cuda_runtime", "visible_devices"):
+        assert header[key] == info[key]
+    assert header["cpu_count"] >= 1 and header["date"]
+    out = quick_run["out"]
+    assert f"python {info['python']}, torch {info['torch']}" in out
+    if not header["gpus_used"]:
+        assert "every figure below is CPU-only" in out
+
+
+def test_measured_rows_are_medians_compared_in_the_same_run(quick_run):
+    rows = [Row(**r) for r in quick_run["result"]["rows"]]
+    measured = [r for r in rows if r.measured]
+    assert measured
+    for row in measured:
+        assert math.isfinite(row.value) and row.value > 0, row
+        if row.baseline is not None:
+            assert row.baseline_name
+            assert row.ratio == pytest.approx(row.value / row.baseline)
+        assert row.met == meets(row)  # never stated, always derived from the figures
+    names = {r.name for r in measured}
+    assert {"cpu lane: submit→result", "cpu lane: 64 submitted, then waited"} <= names
+    baselines = {r.baseline_name for r in measured}
+    assert {"ThreadPoolExecutor(1)", "sequential eager (1 thread)"} <= baselines
+
+
+def test_what_needs_a_gpu_is_reported_not_run(quick_run):
+    rows = [Row(**r) for r in quick_run["result"]["rows"]]
+    targeted = {r.name: r for r in rows if r.target}
+    assert "busy-wait on 4 lanes of one GPU" in targeted
+    assert "2 lanes: graphs, submit_graph" in targeted
+    if quick_run["result"]["header"]["gpus_used"]:
+        assert all(r.measured for r in targeted.values())
+        return
+    for name in ("busy-wait on 4 lanes of one GPU", "2 lanes: graphs, submit_graph",
+                 "gpu lane: submit→result"):
+        row = targeted[name]
+        assert not row.measured and row.met is None and "needs a GPU" in row.note
+    summary = quick_run["result"]["targets"]
+    assert set(summary["not_measured"]) >= {"busy-wait on 4 lanes of one GPU",
+                                            "2 lanes: graphs, submit_graph"}
+
+
+def test_table_progress_plot_and_trace_are_written(quick_run):
+    out, err = quick_run["out"], quick_run["err"]
+    assert "targets:" in out and "[dispatch]" in out and "[launch_bound]" in out
+    assert "dispatch (1/3): starting" in err and "launch_bound (3/3)" in err
+    assert quick_run["plot"].read_bytes()[:8] == PNG_MAGIC
+    trace = strict_json(quick_run["trace"])
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert spans and {e["pid"] for e in spans} == {0, 1}  # two lanes in launch_bound
+    assert quick_run["result"]["trace"]["events"] == len(trace["traceEvents"])
+
+
+# --- sections that are missing, crash, or lack a dependency --------------------------------
+
+
+def fake_section(monkeypatch, name: str, run_fn) -> None:
+    module = types.ModuleType(f"bench.{name}")
+    module.__spec__ = importlib.machinery.ModuleSpec(f"bench.{name}", None)
+    module.run = run_fn
+    monkeypatch.setitem(sys.modules, f"bench.{name}", module)
+
+
+@pytest.fixture
+def sections(monkeypatch):
+    def use(*names):
+        monkeypatch.setattr(run, "SECTIONS", names)
+
+    return use
+
+
+def test_a_missing_section_is_skipped_with_a_row(sections, tmp_path):
+    sections("not_written_yet")
+    code, _, err = call_main(["--sections", "not_written_yet", "--json", str(tmp_path / "r.json")])
+    assert code == 0
+    result = strict_json(tmp_path / "r.json")
+    assert result["sections"]["not_written_yet"] == {
+        "status": "not run", "reason": "bench/not_written_yet.py does not exist yet"}
+    (row,) = result["rows"]
+    assert row["value"] is None and row["extra"]["status"] == "not run"
+    assert "not run: bench/not_written_yet.py does not exist yet" in err
+
+
+def test_a_crashing_section_fails_the_run_but_not_the_others(sections, monkeypatch, tmp_path):
+    def crash(ctx):
+        raise RuntimeError("boom in the section")
+
+    fake_section(monkeypatch, "crashes", crash)
+    fake_section(monkeypatch, "works", lambda ctx: [compare("works", "figure", 2.0, "us", "b", 4.0,
+                                                            "<= 0.25")])
+    sections("crashes", "works")
+    code, out, err = call_main(["--sections", "crashes,works", "--json", str(tmp_path / "r.json")])
+    assert code == 1
+    result = strict_json(tmp_path / "r.json")
+    assert result["sections"]["crashes"]["status"] == "failed"
+    assert "RuntimeError: boom in the section" in result["sections"]["crashes"]["reason"]
+    assert "Traceback" in err and "boom in the section" in err
+    assert result["sections"]["works"]["status"] == "ok"
+    assert result["targets"]["missed"] == ["figure"]  # a missed target is not a crash
+
+
+def test_a_section_returning_something_else_is_a_crash(sections, monkeypatch):
+    fake_section(monkeypatch, "wrong", lambda ctx: {"not": "rows"})
+    sections("wrong")
+    code, _, err = call_main(["--sections", "wrong"])
+    assert code == 1 and "expected run() to return a list of Row" in err
+
+
+def test_a_missing_dependency_is_not_run(sections, monkeypatch):
+    def needs_fla(ctx):
+        raise ModuleNotFoundError("No module named 'fla'", name="fla")
+
+    fake_section(monkeypatch, "fla_section", needs_fla)
+    sections("fla_section")
+    code, out, _ = call_main(["--sections", "fla_section"])
+    assert code == 0 and "needs fla, which is not installed" in out
+
+
+def test_an_unknown_section_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(["--sections", "dispatch,bogus"])
+    assert exit_info.value.code == 2
+    assert "expected section names from dispatch" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_stops_before_measuring(monkeypatch, tmp_path):
+    monkeypatch.setattr(report, "matplotlib_missing", lambda: "--plot needs matplotlib")
+    code, out, err = call_main(["--plot", str(tmp_path / "p.png")])
+    assert code == 2 and "--plot needs matplotlib" in err and out == ""
+    assert not (tmp_path / "p.png").exists()
+
+
+# --- targets, rows and the report ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "baseline", "unit", "target", "met"),
+    [
+        (2.0, 10.0, "us", "ratio <= 0.25", True),
+        (3.0, 10.0, "us", "ratio <= 0.25", False),
+        (3.0, 10.0, "us", "<= 0.25", False),  # no metric: the ratio
+        (0.96, None, "fraction", ">= 0.95", True),  # no baseline: the value
+        (0.9, 0.5, "fraction", "value >= 0.95", False),
+        (1.0, 2.0, "ms", "speedup >= 1.8", True),
+        (1.2, 2.0, "ms", "speedup >= 1.8", False),
+        (1.0, None, "ms", "speedup >= 1.8", None),  # nothing to compare with
+    ],
+)
+def test_targets_follow_from_the_figures(value, baseline, unit, target, met):
+    row = compare("s", "n", value, unit, "alt" if baseline else None, baseline, target)
+    assert row.met is met
+
+
+def test_unmeasured_rows_meet_no_target_and_bad_targets_are_refused():
+    assert not_run("s", "n", "needs a GPU", "ratio <= 0.1").met is None
+    assert meets(Row("s", "n", 1.0, "us")) is None
+    with pytest.raises(ValueError, match="expected a target like"):
+        parse_target("about 2x")
+
+
+def synthetic_result(rows: list[Row], gpus: int = 0) -> dict:
+    return {
+        "header": {"pydflash": "0", "date": "today", "gpus_used": gpus, "device_names": None,
+                   "devices_unavailable_because": "no driver"},
+        "quick": True,
+        "sections": {"s": {"status": "ok"}},
+        "targets": report.summarize_targets(rows),
+        "rows": [r.as_dict() for r in rows],
+    }
+
+
+def test_table_marks_met_missed_and_unmeasured_targets():
+    rows = [
+        compare("s", "fast", 1.0, "us", "pool", 10.0, "ratio <= 0.25"),
+        compare("s", "slow", 5.0, "us", "pool", 10.0, "ratio <= 0.25"),
+        not_run("s", "gpu only", "needs a GPU", "ratio <= 0.25"),
+    ]
+    table = report.format_table(synthetic_result(rows), rows)
+    lines = {line.split("  ")[0]: line for line in table.splitlines()}
+    assert lines["fast"].rstrip().endswith("yes") and "10x" in lines["fast"]
+    assert lines["slow"].rstrip().endswith("MISSED")
+    assert "needs a GPU" in lines["gpu only"] and lines["gpu only"].endswith("not measured")
+    assert "targets: 1 met, 1 missed, 1 not measured" in table
+    assert "every figure below is CPU-only" in table
+
+
+def test_json_writes_unmeasurable_figures_as_null(tmp_path):
+    rows = [Row("s", "nan", float("nan"), "us", extra={"inf": float("inf")})]
+    report.write_json(synthetic_result(rows), tmp_path / "r.json")
+    row = strict_json(tmp_path / "r.json")["rows"][0]
+    assert row["value"] is None and row["extra"]["inf"] is None
+
+
+def test_plot_is_written_with_nothing_measured(tmp_path):
+    rows = [not_run("s", "gpu only", "needs a GPU", "ratio <= 0.25")]
+    report.plot(synthetic_result(rows), rows, None, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC
