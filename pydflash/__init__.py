@@ -18,6 +18,7 @@ from .errors import (
 )
 from .info import build_info
 from .lane import Lane
+from .triton_guard import guard_triton, unguard_triton
 
 if _C.__version__ != __version__:  # pragma: no cover - a stale build in the tree
     raise NativeModuleError(
@@ -38,4 +39,6 @@ __all__ = [
     "UnsupportedTritonError",
     "__version__",
     "build_info",
+    "guard_triton",
+    "unguard_triton",
 ]

@@ -6,7 +6,6 @@ import atexit
 import concurrent.futures
 import functools
 import os
-import threading
 import warnings
 import weakref
 from typing import Any, Callable, Iterable
@@ -40,14 +39,13 @@ class Dispatcher(concurrent.futures.Executor):
         spin_us: float = DEFAULT_SPIN_US,
     ) -> None:
         parsed = parse_devices(devices)
-        self._lanes = [Lane(i, d, spin_us=spin_us) for i, d in enumerate(parsed)]
-        self._shutdown_lock = threading.Lock()
-        self._is_shutdown = False
         self._guard = None
         if guard_triton:
+            # Before any lane exists: an unsupported Triton raises with nothing to clean up.
             from .triton_guard import guard_triton as install_guard
 
             self._guard = install_guard(missing_ok=True)
+        self._lanes = [Lane(i, d, spin_us=spin_us) for i, d in enumerate(parsed)]
         if trace:
             self.set_tracing(True)
         # The hot path: a C builtin picks the least-busy lane (csrc/python/bind_lane.cpp).
@@ -129,9 +127,14 @@ class Dispatcher(concurrent.futures.Executor):
                 guard.uninstall()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        with self._shutdown_lock:
-            self._is_shutdown = True
+        """Stops accepting work. wait: return once every lane has finished what it had
+        (and give back this dispatcher's hold on the Triton guard). cancel_futures:
+        cancel what is still queued."""
         _shutdown_lanes(self._lanes, wait, cancel_futures)
+        if wait and self._guard is not None:
+            # Lanes still running (wait=False) may still launch Triton kernels: keep it.
+            self._guard.uninstall()
+            self._guard = None
 
     # --- stats and traces -------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

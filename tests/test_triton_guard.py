@@ -169,11 +169,14 @@ def test_a_dispatcher_installs_the_guard_unless_told_not_to(guard_module):
     from pydflash import Dispatcher
 
     bare = Dispatcher(["cpu"], guard_triton=False)
-    bare.shutdown()
     assert not guard_module.is_guarded()
+    bare.shutdown()
     guarded = Dispatcher(["cpu"])
-    guarded.shutdown()
     assert guard_module.is_guarded()
+    guarded.shutdown(wait=False)  # lanes may still launch kernels: the guard stays
+    assert guard_module.is_guarded()
+    guarded.shutdown(wait=True)  # gives its hold back
+    assert not guard_module.is_guarded()
 
 
 def test_autotuner_call_state_is_per_thread(guard_module):

@@ -100,14 +100,6 @@ py::dict key_stats(const CompileKeyStats& s) {
 }  // namespace
 
 void init_compile_queue(py::module_& m) {
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const CompileQueueTimeout& e) {
-      PyErr_SetString(py::module_::import("pydflash.errors").attr("CompileQueueTimeout").ptr(),
-                      e.what());
-    }
-  });
   m.def("compile_queue_run", &run, py::arg("key"), py::arg("fn"), py::arg("slot"),
         py::arg("label"), py::arg("timeout"),
         "Runs fn() as the holder of `key`, or waits (without the GIL) for the holder's result.");

@@ -2,6 +2,7 @@
 // tests/test_errors.py). pydflash-specific types live in pydflash/errors.py.
 #include <pybind11/pybind11.h>
 
+#include "core/compile_queue.h"
 #include "core/error.h"
 #include "python/bindings.h"
 
@@ -30,6 +31,8 @@ void set_python_error(std::exception_ptr p) {
     PyErr_SetString(PyExc_TypeError, e.what());
   } catch (const StateError& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (const CompileQueueTimeout& e) {
+    set_error_from_module("pydflash.errors", "CompileQueueTimeout", e.what());
   } catch (const TimeoutError& e) {
     PyErr_SetString(PyExc_TimeoutError, e.what());
   } catch (const CancelledError& e) {
