@@ -68,17 +68,19 @@ def not_run(section: str, name: str, reason: str, target: str | None = None) -> 
     return Row(section, name, None, "", target=target, note=reason, extra={"status": "not run"})
 
 
-_TARGET_RE = re.compile(r"^\s*(?:(value|ratio|speedup)\s+)?(<=|>=|<|>)\s*([0-9.eE+-]+)\s*$")
+_TARGET_RE = re.compile(
+    r"^\s*(?:(value|ratio|speedup|added)\s+)?(<=|>=|<|>)\s*([0-9.eE+-]+)\s*$"
+)
 
 
 def parse_target(target: str) -> tuple[str | None, str, float]:
-    """("ratio" | "value" | "speedup" | None, op, bound); None means ratio when the row
-    has one, else value. Raises ValueError on anything else."""
+    """("ratio" | "value" | "speedup" | "added" | None, op, bound); None means ratio when
+    the row has one, else value; "added" is value - baseline, in the row's unit. Raises ValueError on anything else."""
     match = _TARGET_RE.match(target)
     if match is None:
         raise ValueError(
             f"expected a target like '<= 0.25', 'ratio <= 0.1', 'value >= 0.95' or "
-            f"'speedup >= 1.8', got {target!r}"
+            f"'speedup >= 1.8' or 'added < 1.0', got {target!r}"
         )
     metric, op, bound = match.groups()
     return metric, op, float(bound)
@@ -91,7 +93,8 @@ def meets(row: Row) -> bool | None:
     metric, op, bound = parse_target(row.target)
     if metric is None:
         metric = "ratio" if row.ratio is not None else "value"
-    figure = {"value": row.value, "ratio": row.ratio, "speedup": row.speedup}[metric]
+    added = None if row.baseline is None else row.value - row.baseline
+    figure = {"value": row.value, "ratio": row.ratio, "speedup": row.speedup, "added": added}[metric]
     if figure is None or math.isnan(figure):
         return None
     return {

@@ -1,0 +1,114 @@
+"""GPU lanes: streams, events, cross-stream handoff and the caching allocator."""
+
+import time
+
+import pytest
+
+import pydflash
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+
+SPIN_NS = 50_000_000  # 50 ms of GPU work from the busy-wait kernel
+
+
+@pytest.fixture
+def two_lanes():
+    d = pydflash.Dispatcher([0, 0], guard_triton=False)
+    yield d.lanes
+    d.shutdown()
+
+
+def test_default_is_one_lane_per_gpu():
+    with pydflash.Dispatcher(guard_triton=False) as d:
+        assert [lane.device for lane in d.lanes] == [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+
+def test_task_runs_on_the_lane_stream_and_device(two_lanes):
+    for lane in two_lanes:
+        stream, device = lane.submit(lambda: (torch.cuda.current_stream().cuda_stream,
+                                              torch.cuda.current_device())).result()
+        assert stream == lane.stream_ptr != 0
+        assert device == lane.device_index
+    assert two_lanes[0].stream_ptr != two_lanes[1].stream_ptr
+    assert two_lanes[0].copy_stream_ptr not in (0, two_lanes[0].stream_ptr)
+
+
+def test_task_that_switches_streams_does_not_leak_it(two_lanes):
+    lane = two_lanes[0]
+    lane.submit(lambda: torch.cuda.set_stream(torch.cuda.Stream())).result()
+    assert lane.submit(lambda: torch.cuda.current_stream().cuda_stream).result() == lane.stream_ptr
+
+
+def test_result_carries_an_event_that_completes_with_the_gpu_work(two_lanes):
+    lane = two_lanes[0]
+
+    def spin():
+        pydflash._C.busy_wait(lane.stream_ptr, SPIN_NS)
+        return "queued"
+
+    f = lane.submit(spin)
+    assert f.result() == "queued" and f.event != 0
+    assert not pydflash._C.query_event(f.event)  # the host did not wait for the GPU
+    torch.cuda.synchronize()
+    assert pydflash._C.query_event(f.event)
+
+
+def test_cross_stream_handoff_without_a_host_sync(two_lanes):
+    producer, consumer = two_lanes
+
+    def produce():
+        pydflash._C.busy_wait(producer.stream_ptr, SPIN_NS)  # the fill waits behind this
+        return torch.full((1 << 20,), 3.0, device="cuda")
+
+    f = producer.submit(produce)
+    start = time.perf_counter()
+    out = consumer.submit(lambda: f.wait_stream() * 2).result()
+    host_s = time.perf_counter() - start
+    assert host_s < SPIN_NS / 1e9 / 2, "the handoff blocked the host on the GPU"
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.full((1 << 20,), 6.0, device="cuda"))
+
+
+def test_handed_over_memory_is_not_reused_early(two_lanes):
+    # The producer drops its reference at once and allocates more on its own stream;
+    # without record_stream the consumer's (delayed) read could see the new data.
+    producer, consumer = two_lanes
+    n = 1 << 22
+    for _ in range(5):
+        f = producer.submit(lambda: torch.full((n,), 7.0, device="cuda"))
+
+        def consume():
+            x = f.wait_stream()
+            pydflash._C.busy_wait(consumer.stream_ptr, 20_000_000)  # read happens later
+            return x.sum()
+
+        total = consumer.submit(consume)
+        overwrite = producer.submit(lambda: [torch.zeros(n, device="cuda") for _ in range(4)])
+        del f
+        overwrite.result()
+        assert total.result().item() == 7.0 * n
+
+
+def test_many_lanes_overlap_on_one_gpu():
+    with pydflash.Dispatcher([0] * 4, guard_triton=False) as d:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fs = [lane.submit(pydflash._C.busy_wait, lane.stream_ptr, SPIN_NS) for lane in d.lanes]
+        for f in fs:
+            f.result()
+        for lane in d.lanes:
+            pydflash._C.synchronize_stream(lane.stream_ptr)
+        elapsed = time.perf_counter() - start
+    assert elapsed < 4 * SPIN_NS / 1e9 * 0.75, f"4 lanes took {elapsed:.3f} s: no overlap"
+
+
+def test_errors_from_cuda_name_the_lane(two_lanes):
+    def bad():
+        torch.empty(1 << 50, device="cuda")  # out of memory
+
+    f = two_lanes[1].submit(bad)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        f.result()
+    assert "raised in pydflash lane 1 (cuda:0)" in info.value.__notes__
+    assert two_lanes[1].submit(lambda: torch.ones(1, device="cuda").item()).result() == 1.0
