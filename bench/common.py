@@ -44,6 +44,14 @@ class Row:
             return None
         return self.baseline / self.value
 
+    def figure(self, metric: str) -> float | None:
+        """One of the figures a target can name: value, ratio, speedup, or added
+        (value - baseline, in the row's unit)."""
+        added = None if self.value is None or self.baseline is None else self.value - self.baseline
+        return {"value": self.value, "ratio": self.ratio, "speedup": self.speedup, "added": added}[
+            metric
+        ]
+
 
 def compare(
     section: str,
@@ -93,8 +101,7 @@ def meets(row: Row) -> bool | None:
     metric, op, bound = parse_target(row.target)
     if metric is None:
         metric = "ratio" if row.ratio is not None else "value"
-    added = None if row.baseline is None else row.value - row.baseline
-    figure = {"value": row.value, "ratio": row.ratio, "speedup": row.speedup, "added": added}[metric]
+    figure = row.figure(metric)
     if figure is None or math.isnan(figure):
         return None
     return {

@@ -143,7 +143,7 @@ def plotted_metric(rows: list[Row]) -> str:
 
 
 def _figure(row: Row, metric: str) -> float | None:
-    value = {"value": row.value, "ratio": row.ratio, "speedup": row.speedup}[metric]
+    value = row.figure(metric)
     return None if value is None or not math.isfinite(value) else value
 
 
@@ -205,7 +205,8 @@ def _bars(ax: Any, section: str, metric: str, bars: list[tuple[Row, float]]) -> 
     if metric in ("ratio", "speedup"):
         ax.axvline(1.0, color="gray", linestyle=":", linewidth=0.8)  # parity with the baseline
     label = {"ratio": "ratio to baseline (value / baseline)", "value": "value",
-             "speedup": "speedup over baseline (x)"}[metric]
+             "speedup": "speedup over baseline (x)",
+             "added": "added over baseline (value - baseline)"}[metric]
     ax.set_title(f"{section}: {label}; dashed: target (green met, red missed), dotted: 1",
                  fontsize=8)
     ax.tick_params(axis="x", labelsize=7)

@@ -51,8 +51,10 @@ void set_python_error(std::exception_ptr p) {
 }
 
 void init_errors(py::module_&) {
+  // Module-local: global translators are shared with every extension built against the
+  // same pybind11 internals (torch among them), and are tried in an order we don't own.
   // Only pydflash's own errors; anything else falls through to pybind11's defaults.
-  py::register_exception_translator([](std::exception_ptr p) {
+  py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       std::rethrow_exception(p);
     } catch (const Error&) {
