@@ -13,7 +13,7 @@ namespace py = pybind11;
 namespace pydflash::python {
 namespace {
 
-constexpr int64_t kWaitSpinNs = 30'000;       // poll this long before sleeping
+constexpr int64_t kWaitSpinNs = 100'000;      // poll this long before sleeping
 constexpr int64_t kWaitSliceNs = 20'000'000;  // check for Ctrl-C this often
 
 PyTypeObject FutureBaseType = {PyVarObject_HEAD_INIT(nullptr, 0)};
