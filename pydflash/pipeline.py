@@ -47,6 +47,11 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+# Imported here, not first by a lane: the native runtime imports _lane_runtime inside a
+# C++ static initializer on a lane's first torch task, and an import that releases the
+# GIL there deadlocks lanes that start at once (the second waits on the guard, holding
+# the GIL). Already imported, the lookup does not release it.
+from . import _lane_runtime, _torch_state  # noqa: F401
 from ._future import Future
 from ._native import C
 from .errors import PipelineError
@@ -136,6 +141,7 @@ class StepResult:
     _drafter_futures: list[Future] = field(default_factory=list, repr=False)
     _step_futures: list[Future] = field(default_factory=list, repr=False)
     _pending: int = field(default=0, repr=False)
+    _failed: bool = field(default=False, repr=False)
 
     def losses(self) -> list[float]:
         """Each microbatch's loss (before the 1/accumulate scaling), in microbatch order."""
@@ -224,9 +230,10 @@ class Pipeline:
         self._check_drafters()
 
         self._cond = threading.Condition()
+        self._threads = torch.get_num_threads()  # the driver's, set again at each run
         self._active = False
         self._failure: PipelineError | None = None
-        self._outstanding: dict[Future, int] = {}  # future -> submission order
+        self._outstanding: dict[Future, tuple[int, bool]] = {}  # -> (order, cancellable)
         self._submitted = 0
         self._in_flight = 0
         self._held_by: dict[int, int] = {}
@@ -234,9 +241,11 @@ class Pipeline:
         self._held = 0
         self._peak = 0
         self._per_microbatch = 0
-        self._microbatches = 0
-        self._steps = 0  # applied
-        self._next_step = 0  # index of the next step submitted
+        self._microbatches = 0  # trained (forward and backward done)
+        self._cancelled = 0  # tasks cancelled by a failure or an early exit
+        self._steps = 0  # applied on every replica
+        self._next_step = 0  # indices of the next step submitted and its first microbatch
+        self._next_microbatch = 0
 
     # --- checks -----------------------------------------------------------------------
     def _check_drafters(self) -> None:
@@ -285,6 +294,7 @@ class Pipeline:
                 raise PipelineError("this pipeline is already running")
             self._active = True
             self._closed.clear()
+        self._threads = torch.get_num_threads()
         finished = False
         pending: deque[StepResult] = deque()
         try:
@@ -311,10 +321,9 @@ class Pipeline:
                 self._active = False
 
     def _submit_step(self, batches: Iterator[Any]) -> StepResult | None:
-        first = self._microbatches
+        first = self._next_microbatch
         record = StepResult(self._next_step, range(first, first + self.accumulate))
         n_drafters = len(self._drafter_lanes)
-        last: list[Future | None] = [None] * n_drafters
         for i in range(self.accumulate):
             k = first + i
             try:
@@ -327,10 +336,9 @@ class Pipeline:
             replica = i % n_drafters
             future = self._submit_microbatch(k, replica, batch, i >= self.accumulate - n_drafters)
             record._drafter_futures.append(future)
-            last[replica] = future
-        self._microbatches += self.accumulate
+        self._next_microbatch += self.accumulate
         self._next_step += 1
-        record._step_futures = self._submit_optimizer_step(record.step, last)
+        record._step_futures = self._submit_optimizer_step(record.step, record._drafter_futures)
         with self._cond:
             record._pending = len(record._step_futures)
             for future in record._step_futures:
@@ -360,24 +368,27 @@ class Pipeline:
         self._track(drafter, "drafter", k, d_lane, slot=True)
         return drafter
 
-    def _submit_optimizer_step(self, step: int, last: list[Future | None]) -> list[Future]:
+    def _submit_optimizer_step(self, step: int, microbatches: list[Future]) -> list[Future]:
+        # Step tasks are never cancelled: each checks that its step's microbatches all
+        # trained, so replicas apply a step together or not at all.
         lanes = self._drafter_lanes
         if len(lanes) == 1:
-            future = lanes[0].submit(self._step_task, step, 0, None)
-            self._track(future, "optimizer", None, lanes[0], step=step)
+            future = lanes[0].submit(self._step_task, step, 0, None, microbatches)
+            self._track(future, "optimizer", None, lanes[0], step=step, cancellable=False)
             return [future]
-        reduced = lanes[0].submit(self._reduce_task, step, last)
-        self._track(reduced, "reduce", None, lanes[0], step=step)
+        reduced = lanes[0].submit(self._reduce_task, step, microbatches)
+        self._track(reduced, "reduce", None, lanes[0], step=step, cancellable=False)
         futures = []
         for r, lane in enumerate(lanes):
-            future = lane.submit(self._step_task, step, r, reduced)
-            self._track(future, "optimizer", None, lane, step=step)
+            future = lane.submit(self._step_task, step, r, reduced, ())
+            self._track(future, "optimizer", None, lane, step=step, cancellable=False)
             futures.append(future)
         return futures
 
     # --- the lane tasks -----------------------------------------------------------------
     def _drafter_task(self, k: int, replica: int, target: Future, t_lane: Lane, sync: bool) -> Any:
         lane = self._drafter_lanes[replica]
+        _match_intra_op_threads(self._threads)
         produced = _input_of(target)
         try:
             inputs, moved_bytes = _handoff(produced, t_lane, target.event, lane)
@@ -401,14 +412,17 @@ class Pipeline:
         except BaseException as exc:
             raise _stage_error("drafter", k, lane, exc) from exc
 
-    def _reduce_task(self, step: int, last: list[Future | None]) -> list[torch.Tensor | None]:
+    def _reduce_task(self, step: int, microbatches: list[Future]) -> list[torch.Tensor | None]:
+        for future in microbatches:
+            _input_of(future)
+        _match_intra_op_threads(self._threads)
+        n_drafters = len(self._drafter_lanes)
         lane0 = self._drafter_lanes[0]
         try:
             total = [None if p.grad is None else p.grad.clone() for p in self._params[0]]
-            for r in range(1, len(last)):
-                lane, future = self._drafter_lanes[r], last[r]
-                _input_of(future)
-                grads, _ = _handoff([p.grad for p in self._params[r]], lane, future.event, lane0)
+            for r in range(1, n_drafters):
+                lane, last = self._drafter_lanes[r], microbatches[r - n_drafters]
+                grads, _ = _handoff([p.grad for p in self._params[r]], lane, last.event, lane0)
                 for i, grad in enumerate(grads):
                     if grad is None:
                         continue
@@ -422,9 +436,14 @@ class Pipeline:
         except BaseException as exc:
             raise _stage_error("reduce", None, lane0, exc, step=step) from exc
 
-    def _step_task(self, step: int, replica: int, reduced: Future | None) -> None:
+    def _step_task(
+        self, step: int, replica: int, reduced: Future | None, microbatches: Sequence[Future]
+    ) -> None:
         lane = self._drafter_lanes[replica]
         params = self._params[replica]
+        for future in microbatches:
+            _input_of(future)
+        _match_intra_op_threads(self._threads)
         if reduced is not None:
             total = _input_of(reduced)
             try:
@@ -459,10 +478,11 @@ class Pipeline:
         *,
         slot: bool = False,
         step: int | None = None,
+        cancellable: bool = True,
         on_result: Callable[[Future], None] | None = None,
     ) -> None:
         with self._cond:
-            self._outstanding[future] = self._submitted
+            self._outstanding[future] = (self._submitted, cancellable)
             self._submitted += 1
 
         def done(f: Future) -> None:
@@ -474,6 +494,7 @@ class Pipeline:
                 on_result(f)
             with self._cond:
                 self._outstanding.pop(f, None)
+                self._cancelled += cancelled
                 if isinstance(failure, PipelineError):
                     self._fail_locked(failure)
                 elif failure is not None and not isinstance(failure, _Upstream):
@@ -481,21 +502,26 @@ class Pipeline:
                 if slot:
                     self._in_flight -= 1
                     self._release_locked(k)
+                    if failure is None and not cancelled:
+                        self._microbatches += 1
                 self._cond.notify_all()
 
         future.add_done_callback(done)
 
     def _watch_step(self, future: Future, record: StepResult) -> None:
-        def done(_: Future) -> None:
+        def done(f: Future) -> None:
+            ok = not f.cancelled() and f._failure() is None
             with self._cond:
+                record._failed |= not ok
                 record._pending -= 1
+                if record._pending == 0 and not record._failed:
+                    self._steps += 1
                 self._cond.notify_all()
 
         future.add_done_callback(done)
 
     def _applied(self, record: StepResult) -> StepResult:
         self._raise_failure()
-        self._steps += 1
         return record
 
     def _hold(self, k: int, nbytes: int) -> None:
@@ -541,16 +567,18 @@ class Pipeline:
         self._raise_failure()
 
     def _stop(self) -> None:
-        """Cancels queued work, newest first, and waits for what is running (its inputs
-        are then finished or cancelled, so it ends)."""
+        """Cancels queued microbatch work, newest first, and waits for the rest: what runs
+        has inputs that are finished or cancelled, so it ends."""
         with self._cond:
             futures = sorted(self._outstanding, key=self._outstanding.__getitem__, reverse=True)
-        for future in futures:
+            cancellable = [f for f in futures if self._outstanding[f][1]]
+        for future in cancellable:
             future.cancel()
         concurrent.futures.wait(futures)
         with self._cond:
             self._in_flight = 0
             self._next_step = self._steps
+            self._next_microbatch = self._steps * self.accumulate
             for k in list(self._held_by):
                 self._release_locked(k)
 
@@ -562,6 +590,7 @@ class Pipeline:
             return {
                 "steps": self._steps,
                 "microbatches": self._microbatches,
+                "cancelled": self._cancelled,
                 "depth": self.depth,
                 "accumulate": self.accumulate,
                 "in_flight": self._in_flight,
