@@ -145,7 +145,14 @@ class StepResult:
 
     def losses(self) -> list[float]:
         """Each microbatch's loss (before the 1/accumulate scaling), in microbatch order."""
-        return [float(f.wait_stream()) for f in self._drafter_futures]
+        losses = []
+        for future in self._drafter_futures:
+            loss = future.result()
+            if future.event:
+                # The read below runs on this thread's stream of the loss's device.
+                future.wait_stream(torch.cuda.current_stream(loss.device))
+            losses.append(float(loss))
+        return losses
 
     def loss(self) -> float:
         """The mean microbatch loss of the step."""

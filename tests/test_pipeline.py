@@ -597,3 +597,86 @@ def test_bad_lanes_and_replicas_raise_typed_errors(lanes):
         pipe.run(3)
     with pytest.raises(ValueError, match="expected steps >= 1, got 0"):
         pipe.run([], steps=0)
+
+
+# --- GPU lanes (run with `pytest -m gpu` on a CUDA machine) ---------------------------------
+def gpu_pairs() -> list:
+    pairs = [pytest.param(("cuda:0", "cuda:0"), id="one-gpu-two-lanes")]
+    pairs.append(pytest.param(("cuda:0", "cuda:1"), id="two-gpus", marks=pytest.mark.skipif(
+        torch.cuda.device_count() < 2, reason="needs two CUDA devices")))
+    return pairs
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("devices", gpu_pairs())
+def test_gpu_handoff_is_ordered_after_the_targets_kernels(devices):
+    """The target queues 2 ms of busy GPU work before it writes its output; a drafter
+    reading without the event wait would see the buffer before the write."""
+    n = 1 << 22
+    dispatcher = pydflash.Dispatcher(list(devices))
+    t_lane, d_lane = dispatcher.lanes
+
+    def run_target(batch):
+        out = torch.empty(n, device=t_lane.device)
+        pydflash._C.busy_wait(torch.cuda.current_stream().cuda_stream, 2_000_000, 1)
+        out.fill_(float(batch["i"]))
+        return {"h": out, "i": batch["i"]}
+
+    weight = torch.nn.Linear(1, 1, bias=False, device=d_lane.device)
+    torch.nn.init.ones_(weight.weight)
+
+    def loss(model, inputs):  # exactly 0 when every element holds the microbatch's index
+        error = (inputs["h"] - inputs["i"].to(inputs["h"].dtype)).abs().max()
+        return model(error.reshape(1, 1)).sum()
+
+    pipe = Pipeline([t_lane], [d_lane], target=run_target, drafter=weight, loss=loss,
+                    optimizer=torch.optim.SGD(weight.parameters(), lr=0.0), accumulate=2, depth=3)
+    try:
+        losses = [x for r in pipe.run(make_data(16)) for x in r.losses()]
+    finally:
+        dispatcher.shutdown()
+    assert losses == [0.0] * 16
+    stats = pipe.stats()
+    copies = 2 if devices[0] != devices[1] else 1  # the target's result, and its copy
+    assert stats["hidden_bytes_per_microbatch"] == copies * (4 * n + 8)  # h and i
+    assert stats["hidden_bytes_peak"] <= 3 * stats["hidden_bytes_per_microbatch"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("devices", gpu_pairs())
+def test_gpu_pipeline_matches_the_sequential_loop(devices):
+    target_device, drafter_device = devices
+    data = make_data(16)
+    target = make_target().to(target_device)
+    drafter, reference = make_drafter()[0].to(drafter_device), make_drafter()[0].to(drafter_device)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    expected = []
+    for s in range(8):
+        for batch in data[2 * s : 2 * s + 2]:
+            with torch.no_grad():
+                h = target(batch["x"].to(target_device)).to(drafter_device)
+            loss = drafter_loss(reference, {"h": h, "y": batch["y"].to(drafter_device)})
+            (loss / 2).backward()
+            expected.append(loss.item())
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+
+    def run_target(batch):
+        return {"h": target(batch["x"]), "y": batch["y"]}
+
+    dispatcher = pydflash.Dispatcher(list(devices))
+    try:
+        pipe = Pipeline(dispatcher.lanes[:1], dispatcher.lanes[1:], target=run_target, drafter=drafter,
+                        loss=drafter_loss, optimizer=optimizer, accumulate=2, depth=3)
+        losses = [x for r in pipe.run(data) for x in r.losses()]
+    finally:
+        dispatcher.shutdown()
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+    for p, q in zip(drafter.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
