@@ -68,7 +68,8 @@ def make_setup(ctx: Context) -> Setup:
         placement = Placement(("cpu",), ("cpu",))
     if ctx.gpus:
         target = TargetConfig(layers=8, capture_layers=(1, 4, 7)) if ctx.quick else TargetConfig()
-        job = Job(target, DrafterConfig(), seq=1024, batch=8 if not ctx.quick else 4, accumulate=4, lr=3e-4)
+        batch = 4 if ctx.quick else 8
+        job = Job(target, DrafterConfig(), seq=1024, batch=batch, accumulate=4, lr=3e-4)
         return Setup(job, placement, steps=ctx.reps(20, 6), reps=ctx.reps(5, 2), warmup=3, on_gpu=True)
     job = Job(TINY_TARGET, TINY_DRAFTER, seq=32, batch=2, accumulate=2, lr=3e-3)
     return Setup(job, placement, steps=ctx.reps(10, 3), reps=ctx.reps(3, 1), warmup=1, on_gpu=False)
@@ -84,10 +85,11 @@ def step_time(setup: Setup, make_steps: Callable[[list[dict], int], Iterator[Any
     """Median over repetitions of (wall time of `steps` steps) / steps, in seconds, after
     `warmup` steps. Each repetition runs on data it has not seen."""
     per_run = setup.warmup + setup.steps
-    batches = setup.batches(per_run * setup.reps * setup.job.accumulate)
+    size = per_run * setup.job.accumulate
+    batches = setup.batches(size * setup.reps)
     samples = []
     for rep in range(setup.reps):
-        chunk = batches[rep * per_run * setup.job.accumulate : (rep + 1) * per_run * setup.job.accumulate]
+        chunk = batches[rep * size : (rep + 1) * size]
         steps = make_steps(chunk, per_run)
         for _ in range(setup.warmup):
             next(steps)
@@ -117,7 +119,9 @@ def loop_times(setup: Setup, ctx: Context) -> dict[str, float]:
     times["sequential"] = step_time(setup, lambda b, n: sequential_steps(models, placement, job, b, n))
     ctx.progress("pipeline: executor loop")
     models = build_models(job, placement)
-    times["executor"] = step_time(setup, lambda b, n: executor_steps(models, placement, job, b, n, depth=2))
+    times["executor"] = step_time(
+        setup, lambda b, n: executor_steps(models, placement, job, b, n, depth=2)
+    )
     ctx.progress("pipeline: pydflash pipeline")
     loop = PipelineLoop(build_models(job, placement), placement, job, depth=2)
     try:
@@ -200,7 +204,8 @@ def memory_by_depth(setup: Setup, ctx: Context) -> list[dict[str, Any]]:
             synchronize(setup)
             stats = loop.pipe.stats()
             allocator_peak = {
-                device: torch.cuda.max_memory_allocated(device) - base for device, base in allocated.items()
+                device: torch.cuda.max_memory_allocated(device) - base
+                for device, base in allocated.items()
             }
         finally:
             loop.close()
@@ -255,9 +260,12 @@ def main(argv: list[str] | None = None) -> None:
     ctx = Context(quick=args.quick, gpus=torch.cuda.device_count(),
                   progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     rows = run(ctx)
+    verdicts = {True: "met", False: "not met", None: "n/a (see note)"}
     for row in rows:
-        ratio = "" if row.ratio is None else f"  x{row.ratio:.3f} vs {row.baseline_name} ({row.baseline:,.3f})"
-        goal = "" if row.target is None else f"  goal {row.target}: {'met' if row.met else 'not met' if row.met is not None else 'n/a'}"
+        ratio = ""
+        if row.ratio is not None:
+            ratio = f"  x{row.ratio:.3f} vs {row.baseline_name} ({row.baseline:,.3f})"
+        goal = "" if row.target is None else f"  goal {row.target}: {verdicts[row.met]}"
         print(f"{row.name:42s} {row.value:>14,.3f} {row.unit}{ratio}{goal}")
         if row.note:
             print(f"{'':42s} {row.note}")

@@ -44,7 +44,9 @@ BF16_RTOL = 2e-2  # losses of two bf16 runs: a few bf16 ulps (2^-8) of drift ove
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU run in seconds")
     p.add_argument("--mode", choices=["pipeline", "sequential", "executor"], default="pipeline")
     p.add_argument("--check", action="store_true",
@@ -86,9 +88,8 @@ def make_job(args: argparse.Namespace) -> tuple[Job, int]:
                              "heads": args.heads, "head_dim": args.head_dim}.items() if v is not None},
     )
     if args.layers is not None:
-        target = dataclasses.replace(
-            target, capture_layers=tuple(sorted({min(i, target.layers - 1) for i in target.capture_layers}))
-        )
+        capture = sorted({min(i, target.layers - 1) for i in target.capture_layers})
+        target = dataclasses.replace(target, capture_layers=tuple(capture))
     drafter = dataclasses.replace(
         drafter,
         **{k: v for k, v in {"layers": args.drafter_layers, "block": args.block,
@@ -244,7 +245,8 @@ def compare(reference: Outcome, other: Outcome, exact: bool) -> tuple[bool, str]
     b = [x for step in other.losses for x in step]
     if exact:
         ok = a == b
-        return ok, f"{other.mode} losses {'equal' if ok else 'differ from'} the sequential loop's exactly"
+        verb = "equal" if ok else "differ from"
+        return ok, f"{other.mode} losses {verb} the sequential loop's exactly"
     worst = max(abs(x - y) / max(abs(x), 1e-6) for x, y in zip(a, b))
     ok = len(a) == len(b) and worst <= BF16_RTOL
     return ok, (f"{other.mode} losses vs the sequential loop: max relative difference {worst:.2e} "

@@ -107,7 +107,9 @@ class GraphTarget(TargetStage):
     def check_lane(self, lane: Lane) -> None:
         own = getattr(self.captured, "lane", None)
         if own is not None and own is not lane:
-            raise ValueError(f"expected the graph's own lane ({own!r}) as its target lane, got {lane!r}")
+            raise ValueError(
+                f"expected the graph's own lane ({own!r}) as its target lane, got {lane!r}"
+            )
 
     def submit(self, lane: Lane, batch: Any) -> Future:
         if self.inputs is not None:
@@ -244,7 +246,7 @@ class Pipeline:
         self._submitted = 0
         self._in_flight = 0
         self._held_by: dict[int, int] = {}
-        self._closed: set[int] = set()  # microbatches whose bytes were released
+        self._closed: set[int] = set()  # released before their target finished
         self._held = 0
         self._peak = 0
         self._per_microbatch = 0
@@ -270,7 +272,9 @@ class Pipeline:
             owned = {id(p) for p in module.parameters()}
             for group in self._optimizers[r].param_groups:
                 if any(id(p) not in owned for p in group["params"]):
-                    raise ValueError(f"expected optimizer {r} over drafter {r}'s parameters, got others")
+                    raise ValueError(
+                        f"expected optimizer {r} over drafter {r}'s parameters, got others"
+                    )
 
     # --- running ------------------------------------------------------------------------
     def run(self, batches: Iterable[Any], steps: int | None = None) -> Iterator[StepResult]:
@@ -508,9 +512,11 @@ class Pipeline:
                     self._fail_locked(_stage_error(stage, k, lane, failure, step=step))
                 if slot:
                     self._in_flight -= 1
-                    self._release_locked(k)
-                    if failure is None and not cancelled:
-                        self._microbatches += 1
+                    trained = failure is None and not cancelled
+                    # A drafter that trained took its target's result, so the target's
+                    # bytes were counted already; otherwise they may still arrive.
+                    self._release_locked(k, target_may_follow=not trained)
+                    self._microbatches += trained
                 self._cond.notify_all()
 
         future.add_done_callback(done)
@@ -543,10 +549,11 @@ class Pipeline:
             self._held += nbytes
             self._peak = max(self._peak, self._held)
 
-    def _release_locked(self, k: int | None) -> None:
+    def _release_locked(self, k: int | None, target_may_follow: bool) -> None:
         if k is None:
             return
-        self._closed.add(k)
+        if target_may_follow:
+            self._closed.add(k)
         self._held -= self._held_by.pop(k, 0)
 
     def _release_slot(self) -> None:
@@ -587,7 +594,7 @@ class Pipeline:
             self._next_step = self._steps
             self._next_microbatch = self._steps * self.accumulate
             for k in list(self._held_by):
-                self._release_locked(k)
+                self._release_locked(k, target_may_follow=True)
 
     # --- introspection ------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -761,7 +768,9 @@ def _per_lane(value: Any, count: int, name: str, accepts: Callable[[Any], bool])
             if not accepts(item):
                 raise TypeError(f"expected each {name} to be {_KINDS[name]}, got {type(item).__name__}")
         return list(value)
-    raise TypeError(f"expected {name} to be {_KINDS[name]} or a list of them, got {type(value).__name__}")
+    raise TypeError(
+        f"expected {name} to be {_KINDS[name]} or a list of them, got {type(value).__name__}"
+    )
 
 
 def _is_target(value: Any) -> bool:

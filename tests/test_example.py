@@ -56,7 +56,8 @@ def random_inputs(batch, length, heads, dk, dv, dtype=torch.float64, device="cpu
     def randn(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
-    q, k, v = randn(batch, length, heads, dk), randn(batch, length, heads, dk), randn(batch, length, heads, dv)
+    q, k = randn(batch, length, heads, dk), randn(batch, length, heads, dk)
+    v = randn(batch, length, heads, dv)
     g = torch.nn.functional.logsigmoid(randn(batch, length, heads) + 2)
     beta = torch.sigmoid(randn(batch, length, heads))
     g_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -158,7 +159,8 @@ def test_drafter_trains_only_its_own_weights():
 
 def test_markov_data_is_a_function_of_seed_and_index():
     data = MarkovTokens(64, 16, 3, seed=4)
-    assert torch.equal(data.batch(7)["input_ids"], MarkovTokens(64, 16, 3, seed=4).batch(7)["input_ids"])
+    again = MarkovTokens(64, 16, 3, seed=4)
+    assert torch.equal(data.batch(7)["input_ids"], again.batch(7)["input_ids"])
     assert not torch.equal(data.batch(7)["input_ids"], data.batch(8)["input_ids"])
     ids = data.batch(0)["input_ids"]
     assert ids.shape == (3, 16) and 0 <= ids.min() and ids.max() < 64
@@ -169,7 +171,8 @@ def test_markov_data_is_a_function_of_seed_and_index():
 
 def test_placement_parses_devices_and_ratio():
     assert Placement.parse(["cpu"], "1:1") == Placement(("cpu",), ("cpu",))
-    assert Placement.parse(["cuda:0", "cuda:1", "cuda:2"], "2:1") == Placement(("cuda:0", "cuda:1"), ("cuda:2",))
+    three = Placement.parse(["cuda:0", "cuda:1", "cuda:2"], "2:1")
+    assert three == Placement(("cuda:0", "cuda:1"), ("cuda:2",))
     with pytest.raises(ValueError, match="expected 1 or 3 devices for ratio 2:1, got 2"):
         Placement.parse(["cpu", "cpu"], "2:1")
     with pytest.raises(ValueError, match="expected a ratio like 2:1"):
@@ -221,7 +224,8 @@ def test_the_tiny_example_trains_and_writes_a_loss_curve(tmp_path):
     losses = summary["loss_per_step"]
     assert len(losses) == 24
     assert sum(losses[-4:]) < sum(losses[:4])  # it learns the chain
-    assert summary["pipeline"]["hidden_bytes_peak"] <= 2 * summary["pipeline"]["hidden_bytes_per_microbatch"]
+    stats = summary["pipeline"]
+    assert stats["hidden_bytes_peak"] <= 2 * stats["hidden_bytes_per_microbatch"]  # depth 2
 
 
 @pytest.mark.timeout(300)
@@ -236,7 +240,8 @@ def test_torchrun_trains_one_ddp_drafter_across_two_processes(tmp_path):
     steps, world = 4, 2
     run_script("--tiny", "--steps", str(steps), "--no-plot", "--out", str(tmp_path),
                "--save-drafter", str(tmp_path / "drafter.pt"), nproc=world)
-    ranks = [json.loads((tmp_path / name).read_text()) for name in ("summary.json", "summary.rank1.json")]
+    names = ("summary.json", "summary.rank1.json")
+    ranks = [json.loads((tmp_path / name).read_text()) for name in names]
     assert [r["world"] for r in ranks] == [world, world]
     assert ranks[0]["drafter_sha256"] == ranks[1]["drafter_sha256"]  # one drafter
     # The same training in one process: every rank's microbatches, one accumulation.
@@ -252,4 +257,5 @@ def test_torchrun_trains_one_ddp_drafter_across_two_processes(tmp_path):
             torch.testing.assert_close(trained[name], p.detach(), rtol=1e-4, atol=1e-5)
     # Rank r's first microbatches are r, r + world: losses from the same initial weights.
     for rank, summary in enumerate(ranks):
-        torch.testing.assert_close(summary["losses"][0], reference[0][rank::world], rtol=1e-5, atol=1e-6)
+        first = reference[0][rank::world]
+        torch.testing.assert_close(summary["losses"][0], first, rtol=1e-5, atol=1e-6)

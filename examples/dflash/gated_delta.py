@@ -77,8 +77,8 @@ def torch_gated_delta_rule(
     """
     if not (q.shape == k.shape and q.shape[:3] == v.shape[:3] == g.shape == beta.shape):
         raise ValueError(
-            f"expected q, k [B, T, H, K], v [B, T, H, V], g and beta [B, T, H], got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(g.shape)}, {tuple(beta.shape)}"
+            "expected q, k [B, T, H, K], v [B, T, H, V], g and beta [B, T, H], got "
+            + ", ".join(str(tuple(x.shape)) for x in (q, k, v, g, beta))
         )
     out_dtype = v.dtype
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -108,8 +108,9 @@ def torch_gated_delta_rule(
     kk = (k @ k.transpose(-1, -2)) * decay
     system = torch.eye(c, dtype=dtype, device=q.device) + beta[..., None] * kk.masked_fill(~strict, 0)
     b = beta[..., None]
-    W = torch.linalg.solve_triangular(system, b * G.exp()[..., None] * k, upper=False, unitriangular=True)
-    U = torch.linalg.solve_triangular(system, b * v, upper=False, unitriangular=True)
+    solve = functools.partial(torch.linalg.solve_triangular, system, upper=False, unitriangular=True)
+    W = solve(b * G.exp()[..., None] * k)
+    U = solve(b * v)
     qk = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * G.exp()[..., None]
     k_to_end = k * (G[..., -1:] - G).exp()[..., None]

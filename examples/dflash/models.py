@@ -260,10 +260,9 @@ class BlockDrafter(nn.Module):
         x_positions = (anchors[:, None] + offsets[None, :]).reshape(-1)
         context_positions = torch.arange(length, device=input_ids.device)
         block_of = torch.arange(n, device=input_ids.device).repeat_interleave(block)
-        mask = torch.cat(
-            [context_positions[None, :] <= anchors[block_of][:, None], block_of[:, None] == block_of[None, :]],
-            dim=1,
-        )
+        sees_context = context_positions[None, :] <= anchors[block_of][:, None]
+        same_block = block_of[:, None] == block_of[None, :]
+        mask = torch.cat([sees_context, same_block], dim=1)
         for layer in self.layers:
             x = layer(x, context, x_positions, context_positions, mask)
         x = self.norm(x).reshape(batch, n, block, -1)[:, :, 1:]
