@@ -148,6 +148,7 @@ def stage_times(setup: Setup, ctx: Context) -> dict[str, float]:
             {k: t.to(placement.drafters[0]) for k, t in stage.submit(target_lane, b).result().items()}
             for b in batches
         ]
+        synchronize(setup)  # the inputs were made on the target lane's stream
 
         def target_step() -> None:
             futures = [stage.submit(target_lane, b) for b in batches]

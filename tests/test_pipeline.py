@@ -133,6 +133,21 @@ def test_losses_and_weights_match_the_sequential_loop_exactly(
     assert_idle(lanes)
 
 
+def test_random_configurations_match_the_sequential_loop_exactly(lanes):
+    rng = random.Random(11)
+    data = make_data(12)
+    references = {a: sequential(data, a) for a in (1, 2, 3, 4, 6)}
+    for _ in range(30):
+        n_targets, n_drafters = rng.choice([(1, 1), (2, 1), (3, 1), (1, 2), (2, 2), (1, 3)])
+        accumulate = n_drafters if n_drafters > 1 else rng.choice([1, 2, 3, 4, 6])
+        depth = rng.randint(1, 5)
+        expected, reference = references[accumulate]
+        pipe, drafters = build(lanes, n_targets, n_drafters, accumulate=accumulate, depth=depth)
+        config = (n_targets, n_drafters, accumulate, depth)
+        assert [x for r in pipe.run(data) for x in r.losses()] == expected, config
+        assert all(params_equal(d, reference) for d in drafters), config
+
+
 def test_replicas_with_several_microbatches_each_agree_up_to_summation_order(lanes):
     data = make_data(24)
     expected, reference = sequential(data, 4)
@@ -432,8 +447,8 @@ def test_random_failures_always_stop_cleanly(lanes):
     for _ in range(40):
         stage = rng.choice(stages)
         at = rng.randrange(0, 6 if stage == "optimizer" else 14)
-        depth = rng.randint(1, 4)
-        error, _, _ = run_failing(lanes, stage, at, depth=depth)
+        depth, n_drafters = rng.randint(1, 4), rng.choice([1, 2])
+        error, _, _ = run_failing(lanes, stage, at, depth=depth, n_drafters=n_drafters)
         assert error.stage == stage
         assert error.microbatch == (None if stage == "optimizer" else at)
         assert isinstance(error.__cause__, Boom)
