@@ -42,7 +42,8 @@ from pydflash.pipeline import EagerTarget
 SECTION = "pipeline"
 OVERLAP_BOUND = 1.1
 DEPTHS = (1, 2, 3, 4)
-CPU_NOTE = "needs a GPU: CPU lanes share this host's cores, so stages cannot overlap"
+CPU_NOTE = ("needs a GPU: on CPU lanes both stages compute on the host's shared cores, "
+            "and tiny ops hold the GIL, so the stages cannot overlap")
 
 
 @dataclasses.dataclass
@@ -218,6 +219,19 @@ def memory_by_depth(setup: Setup, ctx: Context) -> list[dict[str, Any]]:
 
 def run(ctx: Context) -> list[Row]:
     setup = make_setup(ctx)
+    if setup.on_gpu:
+        return measure(setup, ctx)
+    # CPU lanes share the host's cores: one intra-op thread each keeps OpenMP teams
+    # from waiting on descheduled threads, which would dominate every timing here.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure(setup, ctx)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure(setup: Setup, ctx: Context) -> list[Row]:
     where = (f"target {setup.placement.targets[0]}, drafter {setup.placement.drafters[0]}; "
              f"{setup.job.tokens_per_step} tokens/step")
     times = loop_times(setup, ctx)

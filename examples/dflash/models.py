@@ -15,6 +15,7 @@ Embedding and LM head are frozen copies of the target's.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -111,8 +112,11 @@ class GatedDeltaNet(nn.Module):
         self.in_proj = nn.Linear(cfg.dim, 4 * inner + 2 * cfg.heads, bias=False)  # q k v z b a
         self.conv = nn.Conv1d(3 * inner, 3 * inner, cfg.conv_size, groups=3 * inner,
                               padding=cfg.conv_size - 1, bias=False)
-        self.A_log = nn.Parameter(torch.log(torch.empty(cfg.heads).uniform_(1, 16)))
-        self.dt_bias = nn.Parameter(torch.zeros(cfg.heads))
+        # As flash-linear-attention's GatedDeltaNet: A in (0, 16], a step size dt in
+        # [1e-3, 0.1] log-uniform at a = 0 (dt_bias is softplus^-1(dt)).
+        self.A_log = nn.Parameter(torch.log(torch.empty(cfg.heads).uniform_(0, 16).clamp_min(1e-4)))
+        dt = torch.exp(torch.empty(cfg.heads).uniform_(math.log(1e-3), math.log(0.1)))
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
         self.norm = RMSNorm(cfg.head_dim)
         self.out_proj = nn.Linear(inner, cfg.dim, bias=False)
 
