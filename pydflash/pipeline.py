@@ -17,7 +17,9 @@ tasks in order, so a replica's microbatches, the reduction and the optimizer ste
 reorder; cross-lane waits are only on futures submitted earlier, so they cannot form a
 cycle. At most `depth` microbatches are between target submit and drafter completion:
 that bounds the hidden states alive, and lets the target run ahead of the drafter by
-up to depth - 1 microbatches.
+up to depth - 1 microbatches. On GPU lanes "completion" means the drafter's kernels have
+run, not just been queued: the caching allocator hands out memory when work is queued,
+so a host running ahead of the GPU would hold more than `depth` microbatches.
 
 Note [Hidden-state handoff]: no host sync on GPU lanes. On one GPU the drafter's stream
 waits on the target future's event and the tensors are used in place (record_stream, see
@@ -245,6 +247,9 @@ class Pipeline:
         self._outstanding: dict[Future, tuple[int, bool]] = {}  # -> (order, cancellable)
         self._submitted = 0
         self._in_flight = 0
+        self._run_start = 0  # first microbatch of the current run
+        self._settled: set[int] = set()  # microbatches whose drafter task has ended
+        self._gpu_done: dict[int, Any] = {}  # microbatch -> event after its drafter's kernels
         self._held_by: dict[int, int] = {}
         self._closed: set[int] = set()  # released before their target finished
         self._held = 0
@@ -305,6 +310,9 @@ class Pipeline:
                 raise PipelineError("this pipeline is already running")
             self._active = True
             self._closed.clear()
+            self._settled.clear()
+            self._gpu_done.clear()
+            self._run_start = self._next_microbatch
         self._threads = torch.get_num_threads()
         finished = False
         pending: deque[StepResult] = deque()
@@ -357,9 +365,7 @@ class Pipeline:
         return record
 
     def _submit_microbatch(self, k: int, replica: int, batch: Any, sync: bool) -> Future:
-        self._wait_until(lambda: self._in_flight < self.depth)
-        with self._cond:
-            self._in_flight += 1
+        self._acquire_slot(k)
         t_index = k % len(self._target_lanes)
         t_lane, d_lane = self._target_lanes[t_index], self._drafter_lanes[replica]
         try:
@@ -378,6 +384,19 @@ class Pipeline:
             self._raise_failure()
         self._track(drafter, "drafter", k, d_lane, slot=True)
         return drafter
+
+    def _acquire_slot(self, k: int) -> None:
+        """Waits until microbatch k - depth has left the pipeline, its GPU work included."""
+        oldest = k - self.depth
+        if oldest >= self._run_start:
+            self._wait_until(lambda: oldest in self._settled)
+            with self._cond:
+                self._settled.discard(oldest)
+                gpu_done = self._gpu_done.pop(oldest, None)
+            if gpu_done is not None:
+                gpu_done.synchronize()  # releases the GIL; ends even after a failure
+        with self._cond:
+            self._in_flight += 1
 
     def _submit_optimizer_step(self, step: int, microbatches: list[Future]) -> list[Future]:
         # Step tasks are never cancelled: each checks that its step's microbatches all
@@ -419,6 +438,11 @@ class Pipeline:
                 # Backward on this thread, so it sees the lane's streams and thread state.
                 with torch.autograd.set_multithreading_enabled(False):
                     (loss / self.accumulate).backward()
+            if lane.is_gpu:
+                gpu_done = torch.cuda.Event()
+                gpu_done.record()
+                with self._cond:
+                    self._gpu_done[k] = gpu_done
             return loss.detach()
         except BaseException as exc:
             raise _stage_error("drafter", k, lane, exc) from exc
@@ -512,6 +536,7 @@ class Pipeline:
                     self._fail_locked(_stage_error(stage, k, lane, failure, step=step))
                 if slot:
                     self._in_flight -= 1
+                    self._settled.add(k)
                     trained = failure is None and not cancelled
                     # A drafter that trained took its target's result, so the target's
                     # bytes were counted already; otherwise they may still arrive.
