@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", type=Path, default=Path("out/dflash"))
     p.add_argument("--save-drafter", type=Path, help="save the trained drafter's state dict here")
+    p.add_argument("--trace", type=Path,
+                   help="write a Perfetto/Chrome trace of the pipeline's lanes here")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     for name in ("steps", "accumulate", "depth", "batch", "seq", "log_every"):
@@ -161,12 +163,13 @@ def synchronize(placement: Placement) -> None:
 
 
 def train(mode: str, job: Job, placement: Placement, batches: list[dict], steps: int,
-          depth: int, *, ddp: bool, log_every: int, progress: Progress) -> Outcome:
+          depth: int, *, ddp: bool, log_every: int, progress: Progress,
+          trace: Path | None = None) -> Outcome:
     models = build_models(job, placement, ddp=ddp)
     warm = MarkovTokens(job.target.vocab, job.seq, job.batch, seed=job.seed + 1).batch(0)
     loop = None
     if mode == "pipeline":
-        loop = PipelineLoop(models, placement, job, depth)
+        loop = PipelineLoop(models, placement, job, depth, trace=trace is not None)
         loop.warm_up(warm)
         step_iter = loop.steps(batches, steps)
     else:
@@ -199,6 +202,8 @@ def train(mode: str, job: Job, placement: Placement, batches: list[dict], steps:
     finally:
         stats = loop.pipe.stats() if loop is not None else None
         if loop is not None:
+            if trace is not None:
+                loop.dispatcher.export_trace(trace)
             loop.close()
         progress.close()
     return Outcome(mode, [f() for f in collected], wall, models, stats)
@@ -274,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     batches = data.batches(rank, steps * job.accumulate, stride=world, pin=pin)
     progress = Progress(steps, enabled=rank == 0)
     kwargs = dict(ddp=ddp, log_every=args.log_every, progress=progress)
-    outcome = train(args.mode, job, placement, batches, steps, args.depth, **kwargs)
+    trace = None if args.trace is None or rank else args.trace
+    outcome = train(args.mode, job, placement, batches, steps, args.depth, trace=trace, **kwargs)
     curves = {outcome.mode: [sum(s) / len(s) for s in outcome.losses]}
     status = 0
     check_line = None

@@ -213,7 +213,8 @@ def run_script(*args: str, nproc: int | None = None, cwd: Path = ROOT) -> subpro
 
 @pytest.mark.timeout(300)
 def test_the_tiny_example_trains_and_writes_a_loss_curve(tmp_path):
-    result = run_script("--tiny", "--steps", "24", "--log-every", "8", "--out", str(tmp_path))
+    result = run_script("--tiny", "--steps", "24", "--log-every", "8", "--out", str(tmp_path),
+                        "--trace", str(tmp_path / "trace.json"))
     lines = result.stdout.splitlines()
     logs = [line for line in lines if line.startswith("pipeline step")]
     assert [line.split()[2] for line in logs] == ["8/24", "16/24", "24/24"]
@@ -226,6 +227,9 @@ def test_the_tiny_example_trains_and_writes_a_loss_curve(tmp_path):
     assert sum(losses[-4:]) < sum(losses[:4])  # it learns the chain
     stats = summary["pipeline"]
     assert stats["hidden_bytes_peak"] <= 2 * stats["hidden_bytes_per_microbatch"]  # depth 2
+    spans = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    labels = {e["name"] for e in spans if e["ph"] == "X"}
+    assert {"_run_target", "Pipeline._drafter_task", "Pipeline._step_task"} <= labels
 
 
 @pytest.mark.timeout(300)

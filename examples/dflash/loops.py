@@ -10,7 +10,7 @@ import concurrent.futures
 import contextlib
 import copy
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -71,7 +71,6 @@ class Models:
     targets: list[HybridTarget]  # one per target lane (shared by lanes on one device)
     drafters: list[torch.nn.Module]  # one per drafter lane, identical replicas
     optimizers: list[torch.optim.Optimizer]
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def target_dtype(device: str) -> torch.dtype:
