@@ -32,4 +32,19 @@ class GraphCaptureError(PydflashError, RuntimeError):
 
 
 class PipelineError(PydflashError, RuntimeError):
-    """A pipeline stage failed; the message names the stage, microbatch and lane."""
+    """A pipeline stage failed; the message names the stage, microbatch and lane, and
+    the original exception is the `__cause__`. `stage`, `microbatch` and `lane` (a lane
+    label) are None where they do not apply."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: str | None = None,
+        microbatch: int | None = None,
+        lane: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.microbatch = microbatch
+        self.lane = lane

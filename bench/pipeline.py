@@ -1,0 +1,293 @@
+"""Section 5: the target/drafter pipeline on the DFlash example's models.
+
+- step time of the pipeline vs a sequential loop vs a ThreadPoolExecutor loop;
+- the pipeline's step time vs the slower of its two stages timed alone (the issue's
+  goal: at most 1.1x with target and drafter on separate lanes);
+- the hidden-state bytes held at each prefetch depth.
+
+Placement: target on cuda:0 and drafter on cuda:1 with two GPUs, two lanes of cuda:0
+with one, two CPU lanes without (tiny sizes; the timing rows then say they need a GPU).
+
+    python -m bench.pipeline [--quick]        # this section alone
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+
+from bench.common import Context, Row, check
+from examples.dflash.data import MarkovTokens
+from examples.dflash.loops import (
+    Job,
+    PipelineLoop,
+    Placement,
+    build_models,
+    drafter_loss,
+    executor_steps,
+    sequential_steps,
+    target_forward,
+)
+from examples.dflash.models import TINY_DRAFTER, TINY_TARGET, DrafterConfig, TargetConfig
+from pydflash import Dispatcher
+from pydflash.pipeline import EagerTarget
+
+SECTION = "pipeline"
+OVERLAP_BOUND = 1.1
+DEPTHS = (1, 2, 3, 4)
+CPU_NOTE = ("needs a GPU: on CPU lanes both stages compute on the host's shared cores, "
+            "and tiny ops hold the GIL, so the stages cannot overlap")
+
+
+@dataclasses.dataclass
+class Setup:
+    job: Job
+    placement: Placement
+    steps: int  # timed steps per repetition
+    reps: int
+    warmup: int  # untimed steps first
+    on_gpu: bool
+
+    def batches(self, count: int) -> list[dict]:
+        data = MarkovTokens(self.job.target.vocab, self.job.seq, self.job.batch, seed=self.job.seed)
+        return data.batches(0, count, pin=self.on_gpu)
+
+
+def make_setup(ctx: Context) -> Setup:
+    if ctx.gpus >= 2:
+        placement = Placement(("cuda:0",), ("cuda:1",))
+    elif ctx.gpus == 1:
+        placement = Placement(("cuda:0",), ("cuda:0",))
+    else:
+        placement = Placement(("cpu",), ("cpu",))
+    if ctx.gpus:
+        target = TargetConfig(layers=8, capture_layers=(1, 4, 7)) if ctx.quick else TargetConfig()
+        batch = 4 if ctx.quick else 8
+        job = Job(target, DrafterConfig(), seq=1024, batch=batch, accumulate=4, lr=3e-4)
+        return Setup(job, placement, steps=ctx.reps(20, 6), reps=ctx.reps(5, 2), warmup=3, on_gpu=True)
+    job = Job(TINY_TARGET, TINY_DRAFTER, seq=32, batch=2, accumulate=2, lr=3e-3)
+    return Setup(job, placement, steps=ctx.reps(10, 3), reps=ctx.reps(3, 1), warmup=1, on_gpu=False)
+
+
+def synchronize(setup: Setup) -> None:
+    for device in set(setup.placement.lanes):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+
+
+def step_time(setup: Setup, make_steps: Callable[[list[dict], int], Iterator[Any]]) -> float:
+    """Median over repetitions of (wall time of `steps` steps) / steps, in seconds, after
+    `warmup` steps. Each repetition runs on data it has not seen."""
+    per_run = setup.warmup + setup.steps
+    size = per_run * setup.job.accumulate
+    batches = setup.batches(size * setup.reps)
+    samples = []
+    for rep in range(setup.reps):
+        chunk = batches[rep * size : (rep + 1) * size]
+        steps = make_steps(chunk, per_run)
+        for _ in range(setup.warmup):
+            next(steps)
+        synchronize(setup)
+        start = time.perf_counter()
+        for _ in range(setup.steps):
+            next(steps)
+        synchronize(setup)
+        samples.append((time.perf_counter() - start) / setup.steps)
+        steps.close()
+    return statistics.median(samples)
+
+
+def warm_targets(models, setup: Setup, batch: dict) -> None:
+    with torch.no_grad():
+        for target, device in zip(models.targets, setup.placement.targets):
+            target_forward(target)({k: t.to(device) for k, t in batch.items()})
+
+
+def loop_times(setup: Setup, ctx: Context) -> dict[str, float]:
+    job, placement = setup.job, setup.placement
+    warm = setup.batches(1)[0]
+    times = {}
+    ctx.progress("pipeline: sequential loop")
+    models = build_models(job, placement)
+    warm_targets(models, setup, warm)
+    times["sequential"] = step_time(setup, lambda b, n: sequential_steps(models, placement, job, b, n))
+    ctx.progress("pipeline: executor loop")
+    models = build_models(job, placement)
+    times["executor"] = step_time(
+        setup, lambda b, n: executor_steps(models, placement, job, b, n, depth=2)
+    )
+    ctx.progress("pipeline: pydflash pipeline")
+    loop = PipelineLoop(build_models(job, placement), placement, job, depth=2)
+    try:
+        loop.warm_up(warm)
+        times["pipeline"] = step_time(setup, loop.steps)
+    finally:
+        loop.close()
+    return times
+
+
+def stage_times(setup: Setup, ctx: Context) -> dict[str, float]:
+    """Each stage alone on its own lane, as the pipeline runs it: `accumulate` target
+    forwards; `accumulate` drafter forward/backward passes (inputs already on the
+    drafter's device) and the optimizer step."""
+    job, placement = setup.job, setup.placement
+    models = build_models(job, placement)
+    dispatcher = Dispatcher(placement.lanes)
+    target_lane, drafter_lane = dispatcher.lanes
+    stage = EagerTarget(target_forward(models.targets[0]))
+    drafter, optimizer = models.drafters[0], models.optimizers[0]
+    batches = setup.batches(job.accumulate)
+    try:
+        inputs = [
+            {k: t.to(placement.drafters[0]) for k, t in stage.submit(target_lane, b).result().items()}
+            for b in batches
+        ]
+        synchronize(setup)  # the inputs were made on the target lane's stream
+
+        def target_step() -> None:
+            futures = [stage.submit(target_lane, b) for b in batches]
+            futures[-1].result()
+            synchronize(setup)
+
+        def drafter_step() -> None:
+            def train() -> None:
+                for x in inputs:
+                    with torch.autograd.set_multithreading_enabled(False):  # as the pipeline
+                        (drafter_loss(drafter, x) / job.accumulate).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            drafter_lane.submit(train).result()
+            synchronize(setup)
+
+        result = {}
+        for name, fn in (("target", target_step), ("drafter", drafter_step)):
+            ctx.progress(f"pipeline: {name} stage alone")
+            for _ in range(setup.warmup):
+                fn()
+            samples = []
+            for _ in range(setup.reps):
+                start = time.perf_counter()
+                for _ in range(setup.steps):
+                    fn()
+                samples.append((time.perf_counter() - start) / setup.steps)
+            result[name] = statistics.median(samples)
+        return result
+    finally:
+        dispatcher.shutdown()
+
+
+def memory_by_depth(setup: Setup, ctx: Context) -> list[dict[str, Any]]:
+    job, placement = setup.job, setup.placement
+    steps = max(setup.steps, 2)
+    batches = setup.batches(steps * job.accumulate)
+    warm = setup.batches(1)[0]
+    out = []
+    for depth in DEPTHS:
+        ctx.progress(f"pipeline: hidden states at depth {depth}")
+        loop = PipelineLoop(build_models(job, placement), placement, job, depth=depth)
+        try:
+            loop.warm_up(warm)
+            allocated = {}
+            if setup.on_gpu:
+                for device in set(placement.lanes):
+                    torch.cuda.synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                    allocated[device] = torch.cuda.memory_allocated(device)
+            for _ in loop.steps(batches, steps):
+                pass
+            synchronize(setup)
+            stats = loop.pipe.stats()
+            allocator_peak = {
+                device: torch.cuda.max_memory_allocated(device) - base
+                for device, base in allocated.items()
+            }
+        finally:
+            loop.close()
+        out.append({"depth": depth, "peak": stats["hidden_bytes_peak"],
+                    "per_microbatch": stats["hidden_bytes_per_microbatch"],
+                    "allocator_peak_over_start": allocator_peak})
+    return out
+
+
+def run(ctx: Context) -> list[Row]:
+    setup = make_setup(ctx)
+    if setup.on_gpu:
+        return measure(setup, ctx)
+    # CPU lanes share the host's cores: one intra-op thread each keeps OpenMP teams
+    # from waiting on descheduled threads, which would dominate every timing here.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure(setup, ctx)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure(setup: Setup, ctx: Context) -> list[Row]:
+    where = (f"target {setup.placement.targets[0]}, drafter {setup.placement.drafters[0]}; "
+             f"{setup.job.tokens_per_step} tokens/step")
+    times = loop_times(setup, ctx)
+    stages = stage_times(setup, ctx)
+    rows = []
+    ms = {name: t * 1e3 for name, t in times.items()}
+    for baseline in ("sequential", "executor"):
+        ratio = times["pipeline"] / times[baseline]
+        rows.append(Row(
+            SECTION, f"pipeline step vs {baseline} loop", ms["pipeline"], "ms",
+            baseline_name=f"{baseline} loop step", baseline=ms[baseline], ratio=ratio,
+            note=where if setup.on_gpu else f"{where}; {CPU_NOTE}",
+        ))
+    slower = max(stages, key=stages.get)
+    ratio = times["pipeline"] / stages[slower]
+    rows.append(Row(
+        SECTION, "pipeline step vs slower stage alone", ms["pipeline"], "ms",
+        baseline_name=f"{slower} stage alone", baseline=stages[slower] * 1e3, ratio=ratio,
+        target=f"<= {OVERLAP_BOUND}", met=check(ratio, OVERLAP_BOUND) if setup.on_gpu else None,
+        note=where if setup.on_gpu else f"{where}; {CPU_NOTE}",
+        extra={"target_stage_ms": stages["target"] * 1e3, "drafter_stage_ms": stages["drafter"] * 1e3,
+               "sum_of_stages_ms": (stages["target"] + stages["drafter"]) * 1e3},
+    ))
+    for m in memory_by_depth(setup, ctx):
+        ratio = m["peak"] / m["per_microbatch"]
+        rows.append(Row(
+            SECTION, f"hidden-state bytes held, depth {m['depth']}", m["peak"], "bytes",
+            baseline_name="one microbatch's hidden states", baseline=m["per_microbatch"], ratio=ratio,
+            target=f"<= {m['depth']}", met=check(ratio, m["depth"]),
+            note="peak of target results not yet consumed plus their drafter-side copies",
+            extra={"allocator_peak_over_start_bytes": m["allocator_peak_over_start"]},
+        ))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="pydflash benchmark section 5: the pipeline")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args(argv)
+    ctx = Context(quick=args.quick, gpus=torch.cuda.device_count(),
+                  progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+    rows = run(ctx)
+    verdicts = {True: "met", False: "not met", None: "n/a (see note)"}
+    for row in rows:
+        ratio = ""
+        if row.ratio is not None:
+            ratio = f"  x{row.ratio:.3f} vs {row.baseline_name} ({row.baseline:,.3f})"
+        goal = "" if row.target is None else f"  goal {row.target}: {verdicts[row.met]}"
+        print(f"{row.name:42s} {row.value:>14,.3f} {row.unit}{ratio}{goal}")
+        if row.note:
+            print(f"{'':42s} {row.note}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([row.as_dict() for row in rows], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Synthetic token data: no downloads, and a drafter has something to learn."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+
+class MarkovTokens:
+    """Sequences from a fixed random sparse Markov chain: each token has `branch`
+    possible successors with skewed probabilities, so the next tokens are partly
+    predictable and a drafter's loss falls as it learns the chain. Batch `index` is a
+    pure function of (seed, index): any process or loop sees the same data."""
+
+    def __init__(self, vocab: int, seq: int, batch: int, *, seed: int = 0, branch: int = 4) -> None:
+        if vocab < 2 or seq < 2 or batch < 1 or branch < 1:
+            raise ValueError(
+                f"expected vocab >= 2, seq >= 2, batch >= 1, branch >= 1, got "
+                f"{vocab}, {seq}, {batch}, {branch}"
+            )
+        self.vocab, self.seq, self.batch_size, self.seed = vocab, seq, batch, seed
+        g = torch.Generator().manual_seed(seed)
+        self.successors = torch.randint(0, vocab, (vocab, branch), generator=g)
+        weights = torch.rand(vocab, branch, generator=g) ** 3
+        self.cumulative = (weights / weights.sum(-1, keepdim=True)).cumsum(-1)
+        self.cumulative[:, -1] = 1.0
+
+    def batch(self, index: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        tokens = torch.empty(self.batch_size, self.seq, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, self.vocab, (self.batch_size,), generator=g)
+        draws = torch.rand(self.batch_size, self.seq - 1, generator=g)
+        for t in range(1, self.seq):
+            previous = tokens[:, t - 1]
+            choice = (draws[:, t - 1, None] > self.cumulative[previous]).sum(-1)
+            tokens[:, t] = self.successors[previous, choice]
+        return {"input_ids": tokens}
+
+    def batches(self, start: int, count: int, stride: int = 1, *, pin: bool = False) -> list[dict]:
+        """Batches start, start + stride, ... (count of them), made up front so data
+        generation stays out of the timed loop."""
+        out = [self.batch(start + i * stride) for i in range(count)]
+        if pin:
+            out = [{key: t.pin_memory() for key, t in b.items()} for b in out]
+        return out
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        index = 0
+        while True:
+            yield self.batch(index)
+            index += 1

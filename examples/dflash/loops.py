@@ -1,0 +1,251 @@
+"""Three ways to run the same online drafter training, for the example and the
+benchmark: a plain sequential loop, a ThreadPoolExecutor loop (what a script would do
+by hand), and the pydflash pipeline. Each is a generator yielding, once per optimizer
+step, a callable that returns that step's microbatch losses (calling it syncs)."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import copy
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from pydflash import Dispatcher
+from pydflash.pipeline import EagerTarget, Pipeline
+
+from .models import BlockDrafter, DrafterConfig, HybridTarget, TargetConfig
+
+StepLosses = Callable[[], list[float]]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Devices of the target lanes and of the drafter lanes (one lane per entry)."""
+
+    targets: tuple[str, ...]
+    drafters: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, devices: list[str], ratio: str) -> Placement:
+        """`ratio` "T:D" lanes over `devices`: T + D devices in order (targets first), or
+        one device carrying every lane."""
+        match = re.fullmatch(r"(\d+):(\d+)", ratio)
+        if match is None or min(int(match[1]), int(match[2])) < 1:
+            raise ValueError(f"expected a ratio like 2:1 (targets:drafters), got {ratio!r}")
+        n_targets, n_drafters = int(match[1]), int(match[2])
+        if len(devices) == 1:
+            devices = devices * (n_targets + n_drafters)
+        if len(devices) != n_targets + n_drafters:
+            raise ValueError(
+                f"expected 1 or {n_targets + n_drafters} devices for ratio {ratio}, got {len(devices)}"
+            )
+        return cls(tuple(devices[:n_targets]), tuple(devices[n_targets:]))
+
+    @property
+    def lanes(self) -> list[str]:
+        return list(self.targets + self.drafters)
+
+
+@dataclass(frozen=True)
+class Job:
+    target: TargetConfig
+    drafter: DrafterConfig
+    seq: int
+    batch: int
+    accumulate: int
+    lr: float
+    seed: int = 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.accumulate * self.batch * self.seq
+
+
+@dataclass
+class Models:
+    targets: list[HybridTarget]  # one per target lane (shared by lanes on one device)
+    drafters: list[torch.nn.Module]  # one per drafter lane, identical replicas
+    optimizers: list[torch.optim.Optimizer]
+
+
+def target_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+def build_models(job: Job, placement: Placement, *, ddp: bool = False) -> Models:
+    """Fresh models from job.seed: the same weights on every call."""
+    torch.manual_seed(job.seed)
+    reference = HybridTarget(job.target).eval().requires_grad_(False)
+    torch.manual_seed(job.seed + 1)
+    drafter = BlockDrafter(reference, job.drafter)
+    by_device: dict[str, HybridTarget] = {}
+    for device in placement.targets:
+        if device not in by_device:
+            by_device[device] = copy.deepcopy(reference).to(device, target_dtype(device))
+    drafters: list[torch.nn.Module] = []
+    for device in placement.drafters:
+        replica = copy.deepcopy(drafter).to(device)
+        # The frozen embedding and head match the target's precision.
+        replica.embed.to(target_dtype(device))
+        replica.lm_head.to(target_dtype(device))
+        drafters.append(replica)
+    optimizers = [
+        torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=job.lr, weight_decay=0.0)
+        for d in drafters
+    ]
+    if ddp:
+        if len(drafters) != 1:
+            raise ValueError(f"expected one drafter lane per process with DDP, got {len(drafters)}")
+        device = torch.device(placement.drafters[0])
+        drafters = [
+            torch.nn.parallel.DistributedDataParallel(
+                drafters[0], device_ids=[device.index] if device.type == "cuda" else None
+            )
+        ]
+    return Models([by_device[d] for d in placement.targets], drafters, optimizers)
+
+
+# --- the two stages ---------------------------------------------------------------------------
+def target_forward(target: HybridTarget) -> Callable[[dict], dict]:
+    def forward(batch: dict) -> dict:
+        ids = batch["input_ids"]
+        return {"features": target(ids), "input_ids": ids}
+
+    return forward
+
+
+def drafter_loss(drafter: torch.nn.Module, inputs: dict) -> torch.Tensor:
+    features, ids = inputs["features"], inputs["input_ids"]
+    autocast = (
+        torch.autocast("cuda", torch.bfloat16) if features.is_cuda else contextlib.nullcontext()
+    )
+    with autocast:
+        return drafter(features, ids)
+
+
+def _to(obj: dict, device: str) -> dict:
+    return {key: t.to(device, non_blocking=True) for key, t in obj.items()}
+
+
+# --- the loops --------------------------------------------------------------------------------
+def sequential_steps(models: Models, placement: Placement, job: Job, batches: Iterable[dict],
+                     steps: int) -> Iterator[StepLosses]:
+    """Target, copy, drafter, one microbatch after another on the calling thread."""
+    drafter, optimizer = models.drafters[0], models.optimizers[0]
+    forwards = [target_forward(t) for t in models.targets]
+    it = iter(batches)
+    k = 0
+    for _ in range(steps):
+        losses = []
+        for _ in range(job.accumulate):
+            lane = k % len(forwards)
+            with torch.no_grad():
+                out = forwards[lane](_to(next(it), placement.targets[lane]))
+            loss = drafter_loss(drafter, _to(out, placement.drafters[0]))
+            (loss / job.accumulate).backward()
+            losses.append(loss.detach())
+            k += 1
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        yield _floats(losses)
+
+
+def executor_steps(models: Models, placement: Placement, job: Job, batches: Iterable[dict],
+                   steps: int, depth: int) -> Iterator[StepLosses]:
+    """Target forwards on ThreadPoolExecutor threads (one per target lane, each on its
+    own CUDA stream), up to `depth` microbatches ahead; the drafter on this thread."""
+    drafter, optimizer = models.drafters[0], models.optimizers[0]
+    drafter_device = placement.drafters[0]
+    forwards = [target_forward(t) for t in models.targets]
+    streams = [torch.cuda.Stream(d) if d.startswith("cuda") else None for d in placement.targets]
+
+    def forward(k: int, batch: dict) -> tuple[dict, Any]:
+        lane = k % len(forwards)
+        stream = streams[lane]
+        with torch.no_grad():
+            if stream is None:
+                return forwards[lane](batch), None
+            torch.cuda.set_device(stream.device)
+            with torch.cuda.stream(stream):
+                out = forwards[lane](_to(batch, placement.targets[lane]))
+                done = torch.cuda.Event()
+                done.record(stream)
+            return out, done
+
+    def receive(out: dict, done: Any) -> dict:
+        if done is not None:
+            # This thread's stream on the target's device reads the outputs (and copies
+            # them when the drafter is elsewhere): order it after the forward.
+            stream = torch.cuda.current_stream(out["features"].device)
+            stream.wait_event(done)
+            for t in out.values():
+                t.record_stream(stream)
+        return _to(out, drafter_device)
+
+    it = iter(batches)
+    queue: collections.deque = collections.deque()
+    submitted = 0
+    total = steps * job.accumulate
+    with concurrent.futures.ThreadPoolExecutor(len(forwards), thread_name_prefix="target") as pool:
+        def top_up() -> None:
+            nonlocal submitted
+            while len(queue) < depth and submitted < total:
+                queue.append(pool.submit(forward, submitted, next(it)))
+                submitted += 1
+
+        for _ in range(steps):
+            losses = []
+            for _ in range(job.accumulate):
+                top_up()
+                out, done = queue.popleft().result()
+                top_up()
+                loss = drafter_loss(drafter, receive(out, done))
+                (loss / job.accumulate).backward()
+                losses.append(loss.detach())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            yield _floats(losses)
+
+
+class PipelineLoop:
+    """The pydflash pipeline over a Dispatcher with one lane per placement entry."""
+
+    def __init__(self, models: Models, placement: Placement, job: Job, depth: int,
+                 *, trace: bool = False) -> None:
+        self.dispatcher = Dispatcher(placement.lanes, trace=trace)
+        lanes = self.dispatcher.lanes
+        n_targets = len(placement.targets)
+        self.target_lanes = lanes[:n_targets]
+        self.targets = [EagerTarget(target_forward(t)) for t in models.targets]
+        self.pipe = Pipeline(
+            self.target_lanes,
+            lanes[n_targets:],
+            target=self.targets,
+            drafter=models.drafters,
+            loss=drafter_loss,
+            optimizer=models.optimizers,
+            accumulate=job.accumulate,
+            depth=depth,
+        )
+
+    def warm_up(self, batch: dict) -> None:
+        """One target forward per target lane, one lane at a time: Triton compiles and
+        autotunes before any two lanes could do it at once."""
+        for lane, stage in zip(self.target_lanes, self.targets):
+            stage.submit(lane, batch).result()
+
+    def steps(self, batches: Iterable[dict], steps: int) -> Iterator[StepLosses]:
+        for result in self.pipe.run(batches, steps=steps):
+            yield result.losses
+
+    def close(self) -> None:
+        self.dispatcher.shutdown()
+
+
+def _floats(losses: list[torch.Tensor]) -> StepLosses:
+    return lambda: [loss.item() for loss in losses]

@@ -1,0 +1,336 @@
+"""Online training of a DFlash-style block drafter on a frozen hybrid target, with the
+target forward and the drafter's training overlapped on pydflash lanes.
+
+    python examples/train_dflash_online.py --tiny                          # CPU, seconds
+    python examples/train_dflash_online.py --devices cuda:0 --ratio 1:1    # one GPU, two lanes
+    python examples/train_dflash_online.py --devices cuda:0 cuda:1 cuda:2 --ratio 2:1
+    torchrun --nproc-per-node 2 examples/train_dflash_online.py --tiny     # a DDP drafter
+    python examples/train_dflash_online.py --tiny --check                  # == a sequential loop
+
+Prints a progress bar, the loss and tokens/s every --log-every steps, and writes
+loss_curve.png and summary.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # an in-place build of pydflash
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from dflash.data import MarkovTokens  # noqa: E402
+from dflash.loops import (  # noqa: E402
+    Job,
+    Models,
+    PipelineLoop,
+    Placement,
+    build_models,
+    executor_steps,
+    sequential_steps,
+    target_forward,
+)
+from dflash.models import TINY_DRAFTER, TINY_TARGET, DrafterConfig, TargetConfig  # noqa: E402
+
+BF16_RTOL = 2e-2  # losses of two bf16 runs: a few bf16 ulps (2^-8) of drift over the steps
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU run in seconds")
+    p.add_argument("--mode", choices=["pipeline", "sequential", "executor"], default="pipeline")
+    p.add_argument("--check", action="store_true",
+                   help="run the sequential loop, then --mode, and compare their losses")
+    p.add_argument("--devices", nargs="+", help="lane devices: T + D entries, or one for all")
+    p.add_argument("--ratio", help="target:drafter lanes, e.g. 2:1 (default 1:1, or (n-1):1 on n GPUs)")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--accumulate", type=int, help="microbatches per optimizer step")
+    p.add_argument("--depth", type=int, default=2, help="microbatches in flight (prefetch depth)")
+    p.add_argument("--batch", type=int, help="sequences per microbatch")
+    p.add_argument("--seq", type=int, help="tokens per sequence")
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--dim", type=int)
+    p.add_argument("--layers", type=int, help="target layers")
+    p.add_argument("--heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--drafter-layers", type=int)
+    p.add_argument("--block", type=int, help="drafter block size (anchor + predictions)")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--out", type=Path, default=Path("out/dflash"))
+    p.add_argument("--save-drafter", type=Path, help="save the trained drafter's state dict here")
+    p.add_argument("--trace", type=Path,
+                   help="write a Perfetto/Chrome trace of the pipeline's lanes here")
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    for name in ("steps", "accumulate", "depth", "batch", "seq", "log_every"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    return args
+
+
+def make_job(args: argparse.Namespace) -> tuple[Job, int]:
+    target = TINY_TARGET if args.tiny else TargetConfig()
+    drafter = TINY_DRAFTER if args.tiny else DrafterConfig()
+    target = dataclasses.replace(
+        target,
+        **{k: v for k, v in {"vocab": args.vocab, "dim": args.dim, "layers": args.layers,
+                             "heads": args.heads, "head_dim": args.head_dim}.items() if v is not None},
+    )
+    if args.layers is not None:
+        capture = sorted({min(i, target.layers - 1) for i in target.capture_layers})
+        target = dataclasses.replace(target, capture_layers=tuple(capture))
+    drafter = dataclasses.replace(
+        drafter,
+        **{k: v for k, v in {"layers": args.drafter_layers, "block": args.block,
+                             "heads": args.heads, "head_dim": args.head_dim}.items() if v is not None},
+    )
+    job = Job(
+        target=target,
+        drafter=drafter,
+        seq=args.seq or (32 if args.tiny else 1024),
+        batch=args.batch or (2 if args.tiny else 8),
+        accumulate=args.accumulate or (2 if args.tiny else 4),
+        lr=args.lr or (3e-3 if args.tiny else 3e-4),
+        seed=args.seed,
+    )
+    steps = args.steps or (12 if args.tiny else 50)
+    return job, steps
+
+
+def default_placement(args: argparse.Namespace, local_rank: int | None) -> Placement:
+    gpus = torch.cuda.device_count()
+    devices = args.devices
+    if devices is None:
+        if local_rank is not None:
+            devices = [f"cuda:{local_rank}" if gpus else "cpu"]
+        else:
+            devices = [f"cuda:{i}" for i in range(gpus)] if gpus else ["cpu"]
+    ratio = args.ratio or (f"{len(devices) - 1}:1" if len(devices) > 1 else "1:1")
+    return Placement.parse(devices, ratio)
+
+
+class Progress:
+    """A one-line progress bar on a terminal; elsewhere only the periodic log lines."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled
+        self.tty = enabled and sys.stderr.isatty()
+
+    def update(self, done: int) -> None:
+        if self.tty:
+            width = 30
+            filled = width * done // self.total
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total}")
+            sys.stderr.flush()
+
+    def log(self, line: str) -> None:
+        if self.enabled:
+            if self.tty:
+                sys.stderr.write("\r" + " " * 50 + "\r")
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+@dataclasses.dataclass
+class Outcome:
+    mode: str
+    losses: list[list[float]]  # per step, per microbatch
+    wall_s: float
+    models: Models
+    pipeline_stats: dict | None = None
+
+
+def synchronize(placement: Placement) -> None:
+    for device in set(placement.lanes):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+
+
+def train(mode: str, job: Job, placement: Placement, batches: list[dict], steps: int,
+          depth: int, *, ddp: bool, log_every: int, progress: Progress,
+          trace: Path | None = None) -> Outcome:
+    models = build_models(job, placement, ddp=ddp)
+    warm = MarkovTokens(job.target.vocab, job.seq, job.batch, seed=job.seed + 1).batch(0)
+    loop = None
+    if mode == "pipeline":
+        loop = PipelineLoop(models, placement, job, depth, trace=trace is not None)
+        loop.warm_up(warm)
+        step_iter = loop.steps(batches, steps)
+    else:
+        with torch.no_grad():  # the same Triton warm-up as the pipeline's
+            for target, device in zip(models.targets, placement.targets):
+                target_forward(target)({k: t.to(device) for k, t in warm.items()})
+        if mode == "sequential":
+            step_iter = sequential_steps(models, placement, job, batches, steps)
+        else:
+            step_iter = executor_steps(models, placement, job, batches, steps, depth)
+    synchronize(placement)
+    progress.log(f"{mode}: target lanes {list(placement.targets)}, drafter lanes "
+                 f"{list(placement.drafters)}, {job.tokens_per_step} tokens per step")
+    collected = []
+    start = window_start = time.perf_counter()
+    try:
+        for step, step_losses in enumerate(step_iter, 1):
+            collected.append(step_losses)
+            if step % log_every == 0 or step == steps:
+                losses = step_losses()  # syncs: only every log_every steps
+                now = time.perf_counter()
+                window = step - (step - 1) // log_every * log_every
+                rate = window * job.tokens_per_step / (now - window_start)
+                progress.log(f"{mode} step {step}/{steps}  loss {sum(losses) / len(losses):.4f}  "
+                             f"tokens/s {rate:,.0f}")
+                window_start = now
+            progress.update(step)
+        synchronize(placement)
+        wall = time.perf_counter() - start
+    finally:
+        stats = loop.pipe.stats() if loop is not None else None
+        if loop is not None:
+            if trace is not None:
+                loop.dispatcher.export_trace(trace)
+            loop.close()
+        progress.close()
+    return Outcome(mode, [f() for f in collected], wall, models, stats)
+
+
+def drafter_state(models: Models) -> dict[str, torch.Tensor]:
+    module = models.drafters[0]
+    module = getattr(module, "module", module)  # DistributedDataParallel
+    return {name: p.detach().cpu() for name, p in module.named_parameters() if p.requires_grad}
+
+
+def checksum(state: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in state.items():
+        digest.update(name.encode())
+        digest.update(tensor.float().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def plot(curves: dict[str, list[float]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no loss curve (pip install matplotlib)", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, values in curves.items():
+        ax.plot(range(1, len(values) + 1), values, label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("drafter loss")
+    ax.set_title("DFlash-style drafter, online training")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def compare(reference: Outcome, other: Outcome, exact: bool) -> tuple[bool, str]:
+    a = [x for step in reference.losses for x in step]
+    b = [x for step in other.losses for x in step]
+    if exact:
+        ok = a == b
+        verb = "equal" if ok else "differ from"
+        return ok, f"{other.mode} losses {verb} the sequential loop's exactly"
+    worst = max(abs(x - y) / max(abs(x), 1e-6) for x, y in zip(a, b))
+    ok = len(a) == len(b) and worst <= BF16_RTOL
+    return ok, (f"{other.mode} losses vs the sequential loop: max relative difference {worst:.2e} "
+                f"({'within' if ok else 'beyond'} the bf16 tolerance {BF16_RTOL:.0e})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ["LOCAL_RANK"]) if world > 1 else None
+    placement = default_placement(args, local_rank)
+    ddp = world > 1
+    if ddp:
+        if args.check:
+            raise SystemExit("--check compares single-process runs; run it without torchrun")
+        on_gpu = placement.drafters[0].startswith("cuda")
+        if on_gpu:
+            torch.cuda.set_device(placement.drafters[0])
+        dist.init_process_group("nccl" if on_gpu else "gloo")
+    job, steps = make_job(args)
+    data = MarkovTokens(job.target.vocab, job.seq, job.batch, seed=args.seed)
+    pin = any(d.startswith("cuda") for d in placement.lanes)
+    # Rank r trains on microbatches r, r + world, ...: one stream of data split by rank.
+    batches = data.batches(rank, steps * job.accumulate, stride=world, pin=pin)
+    progress = Progress(steps, enabled=rank == 0)
+    kwargs = dict(ddp=ddp, log_every=args.log_every, progress=progress)
+    trace = None if args.trace is None or rank else args.trace
+    outcome = train(args.mode, job, placement, batches, steps, args.depth, trace=trace, **kwargs)
+    curves = {outcome.mode: [sum(s) / len(s) for s in outcome.losses]}
+    status = 0
+    check_line = None
+    if args.check:
+        other = outcome
+        outcome = train("sequential", job, placement, batches, steps, args.depth, **kwargs)
+        curves = {"sequential": [sum(s) / len(s) for s in outcome.losses], **curves}
+        exact = not pin
+        ok, check_line = compare(outcome, other, exact)
+        status = 0 if ok else 1
+        print(("check passed: " if ok else "check FAILED: ") + check_line, flush=True)
+        outcome = other
+
+    state = drafter_state(outcome.models)
+    tokens_per_s = steps * job.tokens_per_step / outcome.wall_s
+    summary = {
+        "mode": outcome.mode,
+        "rank": rank,
+        "world": world,
+        "targets": list(placement.targets),
+        "drafters": list(placement.drafters),
+        "steps": steps,
+        "tokens_per_step": job.tokens_per_step,
+        "step_time_s": outcome.wall_s / steps,
+        "tokens_per_s": tokens_per_s,
+        "loss_per_step": curves[outcome.mode],
+        "losses": outcome.losses,
+        "drafter_sha256": checksum(state),
+        "pipeline": outcome.pipeline_stats,
+        "check": check_line,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = "summary.json" if rank == 0 else f"summary.rank{rank}.json"
+    (args.out / name).write_text(json.dumps(summary, indent=1))
+    if args.save_drafter is not None and rank == 0:
+        torch.save(state, args.save_drafter)
+    if rank == 0:
+        first, last = curves[outcome.mode][0], curves[outcome.mode][-1]
+        print(f"{outcome.mode}: loss {first:.4f} -> {last:.4f} over {steps} steps, "
+              f"{outcome.wall_s / steps * 1e3:.1f} ms/step, {tokens_per_s:,.0f} tokens/s", flush=True)
+        if outcome.pipeline_stats is not None:
+            stats = outcome.pipeline_stats
+            print(f"hidden states held: peak {stats['hidden_bytes_peak']:,} bytes at depth "
+                  f"{stats['depth']} ({stats['hidden_bytes_per_microbatch']:,} per microbatch)")
+        if not args.no_plot and plot(curves, args.out / "loss_curve.png"):
+            print(f"wrote {args.out / 'loss_curve.png'}")
+    if ddp:
+        dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
