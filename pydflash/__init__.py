@@ -20,6 +20,16 @@ from .info import build_info
 from .lane import Lane
 from .triton_guard import guard_triton, unguard_triton
 
+
+def __getattr__(name: str):
+    # Pipeline needs torch; the core does not, so it is imported on first use.
+    if name == "Pipeline":
+        from .pipeline import Pipeline
+
+        return Pipeline
+    raise AttributeError(f"module 'pydflash' has no attribute {name!r}")
+
+
 if _C.__version__ != __version__:  # pragma: no cover - a stale build in the tree
     raise NativeModuleError(
         f"pydflash._C is version {_C.__version__} but the package is {__version__}; reinstall"
@@ -34,6 +44,7 @@ __all__ = [
     "InternalError",
     "Lane",
     "NativeModuleError",
+    "Pipeline",
     "PipelineError",
     "PydflashError",
     "UnsupportedTritonError",

@@ -115,7 +115,8 @@ class Future(C.FutureBase, concurrent.futures.Future):
 
     # --- CUDA ---------------------------------------------------------------------------
     def wait_stream(self, stream: Any = None) -> Any:
-        """Makes `stream` (default: torch's current stream) wait for this task's GPU work
+        """Makes `stream` (default: the current stream of the device each result tensor is
+        on, where torch issues its reads) wait for this task's GPU work
         without blocking the host, and marks the result's tensors as used on it so the
         caching allocator does not reuse their memory early (Note [Tensors across
         streams] in pydflash/handoff.py). Returns the result. On CPU lanes: the result."""

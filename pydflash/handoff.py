@@ -31,12 +31,18 @@ def iter_tensors(obj: Any) -> Iterator[Any]:
 
 
 def hand_over(result: Any, event: int, stream: Any = None) -> None:
-    """Orders `stream` (default: torch's current stream) after `event`, a cudaEvent_t
-    as an int, and protects the result's tensors for use on it."""
+    """Orders `stream` after `event`, a cudaEvent_t as an int, and protects the result's
+    tensors for use on it. Default: the current stream of each tensor's own device,
+    which is where torch issues reads of it, cross-device copies included."""
     import torch
 
-    if stream is None:
-        stream = torch.cuda.current_stream()
-    C.stream_wait_event(stream.cuda_stream, event)
-    for tensor in iter_tensors(result):
-        tensor.record_stream(stream)
+    tensors = list(iter_tensors(result))
+    if stream is not None:
+        streams = {stream.device_index: stream}
+    else:
+        streams = {t.device.index: None for t in tensors} or {torch.cuda.current_device(): None}
+        streams = {d: torch.cuda.current_stream(d) for d in streams}
+    for s in streams.values():
+        C.stream_wait_event(s.cuda_stream, event)
+    for tensor in tensors:
+        tensor.record_stream(streams.get(tensor.device.index, stream))

@@ -49,11 +49,6 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-# Imported here, not first by a lane: the native runtime imports _lane_runtime inside a
-# C++ static initializer on a lane's first torch task, and an import that releases the
-# GIL there deadlocks lanes that start at once (the second waits on the guard, holding
-# the GIL). Already imported, the lookup does not release it.
-from . import _lane_runtime, _torch_state  # noqa: F401
 from ._future import Future
 from ._native import C
 from .errors import PipelineError

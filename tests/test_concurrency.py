@@ -72,3 +72,30 @@ def test_tasks_submitting_to_other_lanes():
             return sum(f.result() for f in [b.submit(pow, i, 2) for i in range(n)])
 
         assert a.submit(fan_out, 100).result(timeout=30) == sum(i * i for i in range(100))
+
+
+def test_a_task_waiting_on_another_lane_never_holds_back_earlier_results():
+    # Lane b waits on f1; lane a then runs a task that waits on lane b. f1 must be
+    # published as soon as it finishes, not when lane a next lets go of the GIL.
+    with pydflash.Dispatcher(["cpu"] * 2, guard_triton=False) as d:
+        a, b = d.lanes
+        for _ in range(20):
+            gate = threading.Event()
+            a.submit(gate.wait)
+            f1 = a.submit(lambda: "f1")
+            g = b.submit(lambda: f1.result(timeout=10))
+            f2 = a.submit(lambda: g.result(timeout=5))
+            gate.set()
+            assert f2.result(timeout=10) == "f1"
+
+
+def test_a_done_callback_may_read_the_result():
+    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+        seen = []
+        for i in range(50):
+            gate = threading.Event()
+            f = d.submit(lambda i=i: (gate.wait(), i)[1])
+            f.add_done_callback(lambda fut: seen.append(fut.result()))
+            gate.set()
+            assert d.submit(lambda: "next").result(timeout=10) == "next"
+        assert seen == list(range(50))

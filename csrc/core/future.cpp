@@ -51,12 +51,12 @@ bool FutureState::wait(double timeout_s, int64_t spin_ns, int64_t slice_ns,
   const bool forever = timeout_s < 0;
   const int64_t deadline = forever ? INT64_MAX : start + static_cast<int64_t>(timeout_s * 1e9);
   const int64_t spin_until = std::min(deadline, start + spin_ns);
-  while (now_ns() < spin_until) {
-    if (published()) return true;
-    std::this_thread::yield();
+  bool got = false;
+  while (!got && now_ns() < spin_until) {
+    got = published();
+    if (!got) std::this_thread::yield();
   }
-  for (;;) {
-    if (published()) return true;
+  while (!got) {
     const int64_t now = now_ns();
     if (now >= deadline) return false;
     const int64_t slice = std::min(slice_ns, deadline - now);
@@ -66,9 +66,16 @@ bool FutureState::wait(double timeout_s, int64_t spin_ns, int64_t slice_ns,
       cv_.wait_for(lock, std::chrono::nanoseconds(slice), [&] { return published(); });
       sleepers_.fetch_sub(1, std::memory_order_seq_cst);
     }
-    if (published()) return true;
-    if (interrupted && interrupted()) return false;
+    got = published();
+    if (!got && interrupted && interrupted()) return false;
   }
+  // Note [Finish, then publish]: give the producer a moment to let the interpreter go.
+  if (producer_in_interpreter_) {
+    const int64_t until = now_ns() + spin_ns;
+    while (producer_in_interpreter_->load(std::memory_order_acquire) && now_ns() < until)
+      std::this_thread::yield();
+  }
+  return true;
 }
 
 }  // namespace pydflash

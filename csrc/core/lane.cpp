@@ -101,6 +101,7 @@ std::shared_ptr<FutureState> Lane::new_future() {
 
 void Lane::submit(std::shared_ptr<FutureState> future, std::unique_ptr<TaskBody> body) {
   future->submit_ns = now_ns();
+  future->set_producer_in_interpreter(in_interpreter_);
   submitted_.fetch_add(1, std::memory_order_relaxed);
   unfinished_.fetch_add(1, std::memory_order_relaxed);
   if (!queue_.push(Task{std::move(future), std::move(body)})) {
@@ -214,20 +215,16 @@ void Lane::enter(bool& entered) {
   if (!entered) {
     interpreter_->enter();
     entered = true;
+    in_interpreter_->store(true, std::memory_order_release);
   }
 }
 
 void Lane::leave(bool& entered) {
   if (entered) {
+    in_interpreter_->store(false, std::memory_order_release);
     interpreter_->leave();
     entered = false;
   }
-  publish_pending();
-}
-
-void Lane::publish_pending() {
-  for (auto& future : unpublished_) future->publish();
-  unpublished_.clear();
 }
 
 void Lane::worker_main() {
@@ -313,20 +310,9 @@ void Lane::run_one(Task& task, bool& entered) {
     body->notify(*future);
   }
   destroy();
-  // Note [Finish, then publish]: with more queued, keep the interpreter and publish
-  // later, in a batch, once it is let go (bounded so results are not held back long).
-  if (!entered) {
-    future->publish();
-  } else if (queue_.size() == 0) {
-    unpublished_.push_back(std::move(future));
-    leave(entered);
-  } else {
-    unpublished_.push_back(std::move(future));
-    if (unpublished_.size() >= kMaxUnpublished ||
-        now_ns() - unpublished_.front()->end_ns.load() > kMaxUnpublishedNs) {
-      leave(entered);
-    }
-  }
+  // Note [Finish, then publish].
+  if (queue_.size() == 0) leave(entered);
+  future->publish();
 }
 
 }  // namespace pydflash

@@ -135,12 +135,7 @@ class Lane : public std::enable_shared_from_this<Lane> {
   void worker_main();
   void run_one(Task& task, bool& entered);
   void enter(bool& entered);
-  /// Lets the interpreter go, then publishes the futures finished under it.
   void leave(bool& entered);
-  void publish_pending();
-
-  static constexpr std::size_t kMaxUnpublished = 64;
-  static constexpr int64_t kMaxUnpublishedNs = 200'000;
 
   const int index_;
   const int device_;
@@ -152,7 +147,8 @@ class Lane : public std::enable_shared_from_this<Lane> {
   void* copy_stream_ = nullptr;
 
   TaskQueue<Task> queue_;
-  std::vector<std::shared_ptr<FutureState>> unpublished_;  // worker thread only
+  // Whether the worker holds the interpreter; futures read it (Note [Finish, then publish]).
+  std::shared_ptr<std::atomic<bool>> in_interpreter_ = std::make_shared<std::atomic<bool>>(false);
   std::thread* thread_ = nullptr;  // leaked in a forked child: its thread does not exist there
   std::atomic<bool> running_task_{false};
   std::atomic<int64_t> on_device_{0};
