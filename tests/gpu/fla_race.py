@@ -62,6 +62,12 @@ def main() -> int:
         help="trial processes at once after the timed ones",
     )
     parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument(
+        "--forward-only",
+        action="store_true",
+        help="forward only: flash-linear-attention 0.6.0 refuses its gated backward on "
+        "Hopper with Triton >= 3.4, < 3.7.1 (its issue #640)",
+    )
     parser.add_argument("--workload", choices=["fla", "toy"], default="fla")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--out", type=Path, help="also write every trial's result here (JSON)")
@@ -133,7 +139,7 @@ def run_child(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             args.workload,
             "--device",
             args.device,
-        ]
+        ] + (["--forward-only"] if args.forward_only else [])
         start = time.perf_counter()
         try:
             proc = subprocess.run(
@@ -177,7 +183,7 @@ def report_progress(mode: str, result: dict) -> None:
 def print_summary(args: argparse.Namespace, results: dict[str, list[dict]], wall_s: float) -> None:
     print()
     work = (
-        "chunk_gated_delta_rule forward+backward"
+        f"chunk_gated_delta_rule forward{'' if args.forward_only else '+backward'}"
         if args.workload == "fla"
         else "toy autotuned kernels"
     )
@@ -331,6 +337,10 @@ def fla_workload(args: argparse.Namespace, device: Any) -> Workload:
 
     def step(inputs: tuple) -> list:
         q, k, v, g, beta, do = inputs
+        if args.forward_only:
+            with torch.no_grad():
+                o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+            return [o.clone()]
         for t in (q, k, v, g, beta):
             t.grad = None
         # Backward on this thread too, as lanes running whole steps do.
