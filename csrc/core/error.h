@@ -9,38 +9,39 @@
 
 namespace pydflash {
 
-/// Tag base of every error below, so one catch can recognise them all.
-struct Error {
-  virtual ~Error() = default;
+/// Base of every error below, so one catch can recognise them all. Single
+/// inheritance throughout: each type is a std::runtime_error.
+struct Error : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 /// Bad argument value: becomes ValueError.
-struct ValueError : std::invalid_argument, Error {
-  using std::invalid_argument::invalid_argument;
+struct ValueError : Error {
+  using Error::Error;
 };
 /// Argument of the wrong kind: becomes TypeError.
-struct TypeError : std::invalid_argument, Error {
-  using std::invalid_argument::invalid_argument;
+struct TypeError : Error {
+  using Error::Error;
 };
 /// Wrong state (shut down, forked, ...): becomes RuntimeError.
-struct StateError : std::runtime_error, Error {
-  using std::runtime_error::runtime_error;
+struct StateError : Error {
+  using Error::Error;
 };
 /// A wait ran past its timeout: becomes TimeoutError.
-struct TimeoutError : std::runtime_error, Error {
-  using std::runtime_error::runtime_error;
+struct TimeoutError : Error {
+  using Error::Error;
 };
 /// A queued task was cancelled: becomes concurrent.futures.CancelledError.
-struct CancelledError : std::runtime_error, Error {
-  using std::runtime_error::runtime_error;
+struct CancelledError : Error {
+  using Error::Error;
 };
 /// A CUDA runtime call failed: becomes pydflash.CudaError.
-struct CudaError : std::runtime_error, Error {
-  using std::runtime_error::runtime_error;
+struct CudaError : Error {
+  using Error::Error;
 };
 /// A pydflash bug: becomes pydflash.InternalError.
-struct InternalError : std::logic_error, Error {
-  using std::logic_error::logic_error;
+struct InternalError : Error {
+  using Error::Error;
 };
 
 namespace detail {
