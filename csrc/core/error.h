@@ -3,9 +3,10 @@
 // for bugs in pydflash itself.
 #pragma once
 
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace pydflash {
 
@@ -45,12 +46,35 @@ struct InternalError : Error {
 };
 
 namespace detail {
+
+// Note [No iostreams in error messages]: messages are built with std::string and
+// snprintf, not std::ostringstream. On the GPU host a process that had loaded another
+// libstdc++ crashed whenever a binding formatted a number into a stream; messages
+// made only of strings did not.
+inline void append(std::string& out, const std::string& value) { out += value; }
+inline void append(std::string& out, const char* value) { out += value; }
+inline void append(std::string& out, char value) { out += value; }
+inline void append(std::string& out, bool value) { out += value ? "true" : "false"; }
+template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
+void append(std::string& out, T value) {
+  char buffer[32];
+  if constexpr (std::is_floating_point_v<T>) {
+    std::snprintf(buffer, sizeof(buffer), "%g", static_cast<double>(value));
+  } else if constexpr (std::is_signed_v<T>) {
+    std::snprintf(buffer, sizeof(buffer), "%lld", static_cast<long long>(value));
+  } else {
+    std::snprintf(buffer, sizeof(buffer), "%llu", static_cast<unsigned long long>(value));
+  }
+  out += buffer;
+}
+
 template <typename... Args>
 std::string str(const Args&... args) {
-  std::ostringstream out;
-  (out << ... << args);
-  return out.str();
+  std::string out;
+  (append(out, args), ...);
+  return out;
 }
+
 }  // namespace detail
 
 }  // namespace pydflash
