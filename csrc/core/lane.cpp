@@ -142,18 +142,18 @@ std::vector<Task> Lane::shutdown(bool cancel) {
 bool Lane::join(double timeout_s) {
   if (thread_ == nullptr) return true;
   PYDFLASH_CHECK_STATE(!forked(), "cannot join lane ", index_, " in a forked child");
+  // Joined under the lock: a second joiner (two shutdowns, or one at exit) must not
+  // join the same thread again, which blocks forever, nor read its id meanwhile.
+  std::unique_lock<std::mutex> lock(exit_mutex_);
   PYDFLASH_CHECK_STATE(thread_->get_id() != std::this_thread::get_id(),
                        "a task cannot wait for its own lane to shut down (lane ", index_, ")");
-  {
-    std::unique_lock<std::mutex> lock(exit_mutex_);
-    if (timeout_s < 0) {
-      exit_cv_.wait(lock, [&] { return exited_; });
-    } else if (!exit_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
-                                  [&] { return exited_; })) {
-      return false;
-    }
+  if (timeout_s < 0) {
+    exit_cv_.wait(lock, [&] { return exited_; });
+  } else if (!exit_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                                [&] { return exited_; })) {
+    return false;
   }
-  if (thread_->joinable()) thread_->join();
+  if (thread_->joinable()) thread_->join();  // the worker has left exit_mutex_ for good
   return true;
 }
 
