@@ -132,7 +132,10 @@ std::vector<Task> Lane::shutdown(bool cancel) {
       queue_.push_internal(std::move(task));
       continue;
     }
-    if (task.future->cancel()) cancelled_.fetch_add(1, std::memory_order_relaxed);
+    // Queued futures are pending or already cancelled; only the ones cancelled here
+    // are left for the caller to notify.
+    if (!task.future->try_cancel()) task.future.reset();
+    cancelled_.fetch_add(1, std::memory_order_relaxed);
     unfinished_.fetch_sub(1, std::memory_order_relaxed);
     cancelled.push_back(std::move(task));
   }
@@ -268,8 +271,10 @@ void Lane::run_one(Task& task, bool& entered) {
     return;
   }
   if (!future->try_start()) {
+    // Cancelled while queued; whoever cancelled it published and notified.
+    cancelled_.fetch_add(1, std::memory_order_relaxed);
     unfinished_.fetch_sub(1, std::memory_order_relaxed);
-    destroy();  // cancelled while queued; whoever cancelled it published and notified
+    destroy();
     return;
   }
   const bool trace = tracing();

@@ -110,11 +110,16 @@ PyMethodDef submit_defs[] = {
      METH_FASTCALL | METH_KEYWORDS,
      "submit_least_busy(native_lanes, owners, fn, /, *args, **kwargs) -> Future"}};
 
-void finish_cancelled(std::vector<Task>& tasks) {
+// Returns how many tasks this shutdown cancelled (those that still have a future).
+size_t finish_cancelled(std::vector<Task>& tasks) {
+  size_t count = 0;
   for (auto& task : tasks) {
+    if (!task.future) continue;
+    ++count;
     if (task.future->observed()) task.body->notify(*task.future);
   }
   tasks.clear();  // bodies die here, under the GIL
+  return count;
 }
 
 }  // namespace
@@ -176,9 +181,7 @@ void init_lane(py::module_& m) {
           "shutdown",
           [](PyLane& l, bool cancel) {
             auto cancelled = l.lane->shutdown(cancel);
-            const auto count = cancelled.size();
-            finish_cancelled(cancelled);
-            return count;
+            return finish_cancelled(cancelled);
           },
           py::arg("cancel"))
       .def(
