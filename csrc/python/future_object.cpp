@@ -116,8 +116,9 @@ PyObject* running(PyObject* self, PyObject*) {
   return PyBool_FromLong(self_of(self)->state->status() == FutureStatus::Running);
 }
 
+// True only for the call that cancels: Future.cancel() notifies observers then.
 PyObject* cancel_native(PyObject* self, PyObject*) {
-  return PyBool_FromLong(self_of(self)->state->cancel());
+  return PyBool_FromLong(self_of(self)->state->try_cancel());
 }
 
 PyObject* mark_observed(PyObject* self, PyObject*) {
