@@ -242,7 +242,17 @@ void Lane::worker_main() {
       if (!queue_.pop_wait(task, options_.spin_ns, [&] { return on_device_.load() == 0; }))
         break;
     }
-    run_one(task, entered);
+    try {
+      run_one(task, entered);
+    } catch (...) {
+      // Note [Threads ended at exit]: a finalizing Python interpreter ends any thread
+      // that tries to take the GIL (PyThread_exit_thread), unwinding these frames. The
+      // task's body holds interpreter objects that cannot be released without the GIL,
+      // during finalization: leak it rather than destroy it.
+      (void)task.body.release();
+      throw;
+    }
+    task.future.reset();
   }
   leave(entered);
   interpreter_->thread_exiting();
@@ -254,8 +264,9 @@ void Lane::worker_main() {
 }
 
 void Lane::run_one(Task& task, bool& entered) {
-  std::shared_ptr<FutureState> future = std::move(task.future);
-  std::unique_ptr<TaskBody> body = std::move(task.body);
+  // Left in `task`, so the worker can leak the body if this thread is ended midway.
+  std::shared_ptr<FutureState>& future = task.future;
+  std::unique_ptr<TaskBody>& body = task.body;
   if (body->needs_interpreter()) {
     enter(entered);
   } else {
