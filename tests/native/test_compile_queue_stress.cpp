@@ -1,7 +1,5 @@
 // Stress tests of the compile queue (csrc/core/compile_queue.h): single-flight keys
 // whose holders fail, exclusive slots, timeouts, interrupts and re-entry racing.
-// Kept out of the build (CMake globs tests/native/*.cpp only) until compile_queue.h is
-// in this tree; move it to tests/native/ then.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
