@@ -12,7 +12,9 @@ def _lane_name(future: concurrent.futures.Future) -> str:
     return f"pydflash {lane._native.label}" if lane is not None else "an executor outside pydflash"
 
 
-def wait_all(futures: Iterable[concurrent.futures.Future], timeout: float | None = None) -> list[Any]:
+def wait_all(
+    futures: Iterable[concurrent.futures.Future], timeout: float | None = None
+) -> list[Any]:
     """Waits until every future is done and returns their results, in order.
 
     If any task raised or was cancelled, raises an ExceptionGroup of all of them (in

@@ -5,23 +5,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import random
 import re
-import subprocess
-import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import pytest
 
 import pydflash
-from pydflash.devices import visible_gpus
 
-ROOT = Path(__file__).resolve().parents[1]
 SUBPROCESS_TIMEOUT_S = 120  # only a hang reaches it
-needs_gpu = pytest.mark.skipif(visible_gpus() == 0, reason="needs a CUDA device visible to pydflash")
 
 
 def lane_label(lane: pydflash.Lane) -> str:
@@ -33,22 +26,9 @@ def names_lane(error: BaseException, lane: pydflash.Lane) -> bool:
     return label in str(error) or any(label in note for note in getattr(error, "__notes__", ()))
 
 
-def run_script(source: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """Runs `source` in a fresh interpreter that imports this checkout's pydflash."""
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(source)],
-        capture_output=True,
-        text=True,
-        timeout=SUBPROCESS_TIMEOUT_S,
-        env=full_env,
-        cwd=ROOT,
-    )
-
-
 @pytest.fixture
 def dispatcher():
-    d = pydflash.Dispatcher(["cpu"] * 6)
+    d = pydflash.Dispatcher(["cpu"] * 6, guard_triton=False)
     yield d
     d.shutdown(cancel_futures=True)
 
@@ -57,7 +37,9 @@ def dispatcher():
 
 
 @pytest.mark.parametrize("failing", [1, 3, 6])
-def test_every_failure_of_k_lanes_is_reported(dispatcher: pydflash.Dispatcher, failing: int) -> None:
+def test_every_failure_of_k_lanes_is_reported(
+    dispatcher: pydflash.Dispatcher, failing: int
+) -> None:
     lanes = dispatcher.lanes
     rng = random.Random(failing)
     for _ in range(20):
@@ -108,7 +90,8 @@ def test_wait_all_reports_cancelled_tasks_with_their_lane(dispatcher: pydflash.D
 
 def test_wait_all_rejects_bad_arguments(dispatcher: pydflash.Dispatcher) -> None:
     future = dispatcher.submit(int)
-    with pytest.raises(TypeError, match=r"expected concurrent.futures.Future objects, got int at index 1"):
+    expected = r"expected concurrent.futures.Future objects, got int at index 1"
+    with pytest.raises(TypeError, match=expected):
         pydflash.wait_all([future, 3])
     with pytest.raises(ValueError, match=r"expected timeout >= 0 or None, got -1"):
         pydflash.wait_all([future], timeout=-1)
@@ -154,7 +137,7 @@ def test_cancelling_twice_counts_once_for_an_all_completed_waiter(
 
 
 def test_stuck_task_times_out_and_shutdown_cancels_the_queue() -> None:
-    d = pydflash.Dispatcher(["cpu", "cpu"])
+    d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
     stuck_lane, other_lane = d.lanes
     release = threading.Event()
     ran: list[int] = []
@@ -163,7 +146,8 @@ def test_stuck_task_times_out_and_shutdown_cancels_the_queue() -> None:
     try:
         with pytest.raises(TimeoutError):
             stuck.result(timeout=0.05)
-        with pytest.raises(TimeoutError, match=re.escape(f"51 of 51 futures not done after 0.05 s (on pydflash {lane_label(stuck_lane)})")):
+        busy = f"51 of 51 futures not done after 0.05 s (on pydflash {lane_label(stuck_lane)})"
+        with pytest.raises(TimeoutError, match=re.escape(busy)):
             pydflash.wait_all([stuck, *queued], timeout=0.05)
         assert other_lane.submit(sum, [1, 2]).result(timeout=30) == 3  # its neighbour works
 
@@ -185,11 +169,12 @@ def test_stuck_task_times_out_and_shutdown_cancels_the_queue() -> None:
 # --- Ctrl-C ------------------------------------------------------------------------------
 
 
-def test_ctrl_c_interrupts_a_blocked_wait() -> None:
-    done = run_script(
+def test_ctrl_c_interrupts_a_blocked_wait(run_python) -> None:
+    done = run_python(
+        textwrap.dedent(
         """
         import os, signal, threading, time, pydflash
-        d = pydflash.Dispatcher(["cpu"])
+        d = pydflash.Dispatcher(["cpu"], guard_triton=False)
         gate = threading.Event()
         stuck = d.submit(gate.wait)
         waits = {
@@ -214,6 +199,8 @@ def test_ctrl_c_interrupts_a_blocked_wait() -> None:
         print("stuck returned", stuck.result(), flush=True)
         d.shutdown()
         """
+        ),
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -249,12 +236,11 @@ def test_torch_allocation_failure_reaches_the_waiter(dispatcher: pydflash.Dispat
     assert lane.submit(lambda: torch.ones(1000).sum().item()).result(timeout=30) == 1000.0
 
 
-@needs_gpu
 @pytest.mark.gpu
 def test_gpu_out_of_memory_names_the_lane_and_the_lane_keeps_working() -> None:
     import torch
 
-    d = pydflash.Dispatcher([0])
+    d = pydflash.Dispatcher([0], guard_triton=False)
     try:
         lane = d.lanes[0]
         total = torch.cuda.get_device_properties(0).total_memory
@@ -274,17 +260,17 @@ def test_gpu_out_of_memory_names_the_lane_and_the_lane_keeps_working() -> None:
 # --- device-side assert ---------------------------------------------------------------------
 
 
-@needs_gpu
 @pytest.mark.gpu
-def test_device_side_assert_names_the_lane_and_poisons_the_device() -> None:
+def test_device_side_assert_names_the_lane_and_poisons_the_device(run_python) -> None:
     # In a subprocess: a device-side assert leaves the CUDA context unusable for the rest
     # of the process (a sticky error), so it must not happen inside the test runner.
-    done = run_script(
+    done = run_python(
+        textwrap.dedent(
         """
         import json, torch, pydflash
         gpus = torch.cuda.device_count()
         # Two lanes on cuda:0, and one on cuda:1 when there is one.
-        d = pydflash.Dispatcher([0, 0] + ([1] if gpus > 1 else []))
+        d = pydflash.Dispatcher([0, 0] + ([1] if gpus > 1 else []), guard_triton=False)
         lanes = d.lanes
 
         def assert_on_device():
@@ -311,6 +297,8 @@ def test_device_side_assert_names_the_lane_and_poisons_the_device() -> None:
         print("REPORT " + json.dumps(report), flush=True)
         d.shutdown(cancel_futures=True)
         """
+        ),
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
     line = next((l for l in done.stdout.splitlines() if l.startswith("REPORT ")), None)
     assert line is not None, f"no report (rc={done.returncode}):\n{done.stdout}\n{done.stderr}"
@@ -326,18 +314,20 @@ def test_device_side_assert_names_the_lane_and_poisons_the_device() -> None:
         assert "error" in report[key] and "device-side assert" in report[key]["message"], report
     if "other_device_after" in report:
         # Another GPU has its own context; whether it survives is recorded, not assumed.
-        assert report["other_device_after"].get("ok") == 8.0 or "error" in report["other_device_after"]
+        other = report["other_device_after"]
+        assert other.get("ok") == 8.0 or "error" in other
     assert done.returncode == 0, done.stderr[-5000:]
 
 
 # --- fork ---------------------------------------------------------------------------------------
 
 
-def test_forked_child_gets_clear_errors_and_can_make_its_own_dispatcher() -> None:
-    done = run_script(
+def test_forked_child_gets_clear_errors_and_can_make_its_own_dispatcher(run_python) -> None:
+    done = run_python(
+        textwrap.dedent(
         """
         import os, threading, warnings, pydflash
-        d = pydflash.Dispatcher(["cpu", "cpu"])
+        d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
         gate = threading.Event()
         pending = d.submit(gate.wait)
         finished = d.submit(int, "5")
@@ -360,7 +350,7 @@ def test_forked_child_gets_clear_errors_and_can_make_its_own_dispatcher() -> Non
                         print("child", what, "RuntimeError:", e, flush=True)
                 print("child finished result", finished.result(), flush=True)
                 d.shutdown()  # a no-op for the parent's lanes
-                own = pydflash.Dispatcher(["cpu"])
+                own = pydflash.Dispatcher(["cpu"], guard_triton=False)
                 print("child own", own.submit(sum, [1, 2, 3]).result(), flush=True)
                 own.shutdown()
                 code = 0
@@ -372,6 +362,8 @@ def test_forked_child_gets_clear_errors_and_can_make_its_own_dispatcher() -> Non
         print("parent pending", pending.result(), "submit", d.submit(int, "9").result(), flush=True)
         d.shutdown()
         """
+        ),
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert done.returncode == 0, done.stderr
     out = done.stdout
@@ -397,14 +389,14 @@ def test_forked_child_gets_clear_errors_and_can_make_its_own_dispatcher() -> Non
 
 
 @pytest.mark.parametrize("stuck", ["busy", "sleeping"])
-def test_exit_with_a_task_that_never_returns(stuck: str) -> None:
+def test_exit_with_a_task_that_never_returns(run_python, stuck: str) -> None:
     # A task that never returns is left behind after PYDFLASH_EXIT_TIMEOUT; the interpreter
     # ends its thread while finalizing. Repeated: the crash this guards against was
     # intermittent (a task destroyed without the GIL during the final collection).
     body = "pass" if stuck == "busy" else "time.sleep(0.01)"
-    source = f"""
+    source = textwrap.dedent(f"""
         import time, pydflash
-        d = pydflash.Dispatcher(["cpu", "cpu"])
+        d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
         def forever():
             while True:
                 {body}
@@ -413,34 +405,41 @@ def test_exit_with_a_task_that_never_returns(stuck: str) -> None:
         d.lanes[0].submit(forever)
         queued = [d.lanes[i % 2].submit(tiny, i) for i in range(5000)]
         print("exiting", flush=True)
-        """
+        """)
     for _ in range(5):
-        done = run_script(source, PYDFLASH_EXIT_TIMEOUT="0.5")
+        done = run_python(
+            source, timeout=SUBPROCESS_TIMEOUT_S, env={"PYDFLASH_EXIT_TIMEOUT": "0.5"}
+        )
         assert done.returncode == 0, f"rc={done.returncode}\n{done.stderr[-5000:]}"
         assert "exiting" in done.stdout
         assert "pydflash lane 0 (cpu) still running a task at exit; leaving it" in done.stderr
         assert "Fatal Python error" not in done.stderr
 
 
-def test_exit_cancels_queued_work_and_lets_the_running_task_finish() -> None:
-    done = run_script(
+def test_exit_cancels_queued_work_and_lets_the_running_task_finish(run_python) -> None:
+    done = run_python(
+        textwrap.dedent(
         """
         import threading, time, pydflash
-        d = pydflash.Dispatcher(["cpu"])
+        d = pydflash.Dispatcher(["cpu"], guard_triton=False)
         queued = []
         started = threading.Event()
         def running():
             started.set()
             # Returns once exit has cancelled the queue (bounded, so a bug cannot hang).
             deadline = time.monotonic() + 60
-            while not (len(queued) == 100 and queued[-1].cancelled()) and time.monotonic() < deadline:
+            def all_cancelled():
+                return len(queued) == 100 and all(f.cancelled() for f in queued)
+            while not all_cancelled() and time.monotonic() < deadline:
                 time.sleep(0.001)
-            print("running task finished; queue cancelled:", all(f.cancelled() for f in queued), flush=True)
+            print("running task finished; queue cancelled:", all_cancelled(), flush=True)
         d.submit(running)
         queued.extend(d.submit(print, "queued task ran", flush=True) for _ in range(100))
         started.wait(60)  # exit while it runs, not before the lane picked it up
         print("exiting", flush=True)
         """
+        ),
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert done.returncode == 0, done.stderr
     assert "running task finished; queue cancelled: True" in done.stdout
