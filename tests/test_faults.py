@@ -172,33 +172,34 @@ def test_stuck_task_times_out_and_shutdown_cancels_the_queue() -> None:
 def test_ctrl_c_interrupts_a_blocked_wait(run_python) -> None:
     done = run_python(
         textwrap.dedent(
-        """
-        import os, signal, threading, time, pydflash
-        d = pydflash.Dispatcher(["cpu"], guard_triton=False)
-        gate = threading.Event()
-        stuck = d.submit(gate.wait)
-        waits = {
-            "result": stuck.result,
-            "exception": stuck.exception,
-            "wait_all": lambda: pydflash.wait_all([stuck]),
-        }
-        for name, wait in waits.items():
-            sent = []
-            def interrupt():
-                sent.append(time.monotonic())
-                os.kill(os.getpid(), signal.SIGINT)
-            timer = threading.Timer(0.2, interrupt)
-            timer.start()
-            try:
-                wait()
-                print(name, "returned", flush=True)
-            except KeyboardInterrupt:
-                print(name, "KeyboardInterrupt", f"{time.monotonic() - sent[0]:.4f}", flush=True)
-            timer.join()
-        gate.set()
-        print("stuck returned", stuck.result(), flush=True)
-        d.shutdown()
-        """
+            """
+            import os, signal, threading, time, pydflash
+            d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+            gate = threading.Event()
+            stuck = d.submit(gate.wait)
+            waits = {
+                "result": stuck.result,
+                "exception": stuck.exception,
+                "wait_all": lambda: pydflash.wait_all([stuck]),
+            }
+            for name, wait in waits.items():
+                sent = []
+                def interrupt():
+                    sent.append(time.monotonic())
+                    os.kill(os.getpid(), signal.SIGINT)
+                timer = threading.Timer(0.2, interrupt)
+                timer.start()
+                try:
+                    wait()
+                    print(name, "returned", flush=True)
+                except KeyboardInterrupt:
+                    latency = time.monotonic() - sent[0]
+                    print(name, "KeyboardInterrupt", f"{latency:.4f}", flush=True)
+                timer.join()
+            gate.set()
+            print("stuck returned", stuck.result(), flush=True)
+            d.shutdown()
+            """
         ),
         timeout=SUBPROCESS_TIMEOUT_S,
     )
@@ -266,37 +267,37 @@ def test_device_side_assert_names_the_lane_and_poisons_the_device(run_python) ->
     # of the process (a sticky error), so it must not happen inside the test runner.
     done = run_python(
         textwrap.dedent(
-        """
-        import json, torch, pydflash
-        gpus = torch.cuda.device_count()
-        # Two lanes on cuda:0, and one on cuda:1 when there is one.
-        d = pydflash.Dispatcher([0, 0] + ([1] if gpus > 1 else []), guard_triton=False)
-        lanes = d.lanes
+            """
+            import json, torch, pydflash
+            gpus = torch.cuda.device_count()
+            # Two lanes on cuda:0, and one on cuda:1 when there is one.
+            d = pydflash.Dispatcher([0, 0] + ([1] if gpus > 1 else []), guard_triton=False)
+            lanes = d.lanes
 
-        def assert_on_device():
-            x = torch.zeros(4, device=torch.cuda.current_device())
-            index = torch.tensor([10], device=x.device)  # out of bounds: the kernel asserts
-            return x[index].sum().item()  # .item() waits, so the assert surfaces here
+            def assert_on_device():
+                x = torch.zeros(4, device=torch.cuda.current_device())
+                index = torch.tensor([10], device=x.device)  # out of bounds: the kernel asserts
+                return x[index].sum().item()  # .item() waits, so the assert surfaces here
 
-        def work():
-            return torch.ones(8, device=torch.cuda.current_device()).sum().item()
+            def work():
+                return torch.ones(8, device=torch.cuda.current_device()).sum().item()
 
-        def outcome(future):
-            try:
-                return {"ok": future.result(timeout=60)}
-            except Exception as e:
-                return {"error": type(e).__name__, "runtime_error": isinstance(e, RuntimeError),
-                        "message": str(e)[:300], "notes": getattr(e, "__notes__", [])}
+            def outcome(future):
+                try:
+                    return {"ok": future.result(timeout=60)}
+                except Exception as e:
+                    return {"error": type(e).__name__, "runtime_error": isinstance(e, RuntimeError),
+                            "message": str(e)[:300], "notes": getattr(e, "__notes__", [])}
 
-        report = {"gpus": gpus, "labels": [l._native.label for l in lanes]}
-        report["assert"] = outcome(lanes[0].submit(assert_on_device))
-        report["same_lane_after"] = outcome(lanes[0].submit(work))
-        report["same_device_other_lane_after"] = outcome(lanes[1].submit(work))
-        if gpus > 1:
-            report["other_device_after"] = outcome(lanes[2].submit(work))
-        print("REPORT " + json.dumps(report), flush=True)
-        d.shutdown(cancel_futures=True)
-        """
+            report = {"gpus": gpus, "labels": [l._native.label for l in lanes]}
+            report["assert"] = outcome(lanes[0].submit(assert_on_device))
+            report["same_lane_after"] = outcome(lanes[0].submit(work))
+            report["same_device_other_lane_after"] = outcome(lanes[1].submit(work))
+            if gpus > 1:
+                report["other_device_after"] = outcome(lanes[2].submit(work))
+            print("REPORT " + json.dumps(report), flush=True)
+            d.shutdown(cancel_futures=True)
+            """
         ),
         timeout=SUBPROCESS_TIMEOUT_S,
     )
@@ -313,9 +314,10 @@ def test_device_side_assert_names_the_lane_and_poisons_the_device(run_python) ->
     for key in ("same_lane_after", "same_device_other_lane_after"):
         assert "error" in report[key] and "device-side assert" in report[key]["message"], report
     if "other_device_after" in report:
-        # Another GPU has its own context; whether it survives is recorded, not assumed.
+        # Another GPU has its own context; whether it survives is recorded, not assumed,
+        # but it must answer: a right result or an error, not a wrong result or a hang.
         other = report["other_device_after"]
-        assert other.get("ok") == 8.0 or "error" in other
+        assert other.get("ok") == 8.0 or other.get("error") not in (None, "TimeoutError"), report
     assert done.returncode == 0, done.stderr[-5000:]
 
 
@@ -325,43 +327,44 @@ def test_device_side_assert_names_the_lane_and_poisons_the_device(run_python) ->
 def test_forked_child_gets_clear_errors_and_can_make_its_own_dispatcher(run_python) -> None:
     done = run_python(
         textwrap.dedent(
-        """
-        import os, threading, warnings, pydflash
-        d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
-        gate = threading.Event()
-        pending = d.submit(gate.wait)
-        finished = d.submit(int, "5")
-        assert finished.result() == 5
-        with warnings.catch_warnings():
-            # Python 3.12 warns about forking a process with threads: that is the point.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                for what, call in [("submit", lambda: d.submit(int)),
-                                   ("lane submit", lambda: d.lanes[1].submit(int)),
-                                   ("pending result", lambda: pending.result()),
-                                   ("pending exception", lambda: pending.exception())]:
-                    try:
-                        call()
-                        print("child", what, "no error", flush=True)
-                    except RuntimeError as e:
-                        print("child", what, "RuntimeError:", e, flush=True)
-                print("child finished result", finished.result(), flush=True)
-                d.shutdown()  # a no-op for the parent's lanes
-                own = pydflash.Dispatcher(["cpu"], guard_triton=False)
-                print("child own", own.submit(sum, [1, 2, 3]).result(), flush=True)
-                own.shutdown()
-                code = 0
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        print("child status", os.waitstatus_to_exitcode(status), flush=True)
-        gate.set()
-        print("parent pending", pending.result(), "submit", d.submit(int, "9").result(), flush=True)
-        d.shutdown()
-        """
+            """
+            import os, threading, warnings, pydflash
+            d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
+            gate = threading.Event()
+            pending = d.submit(gate.wait)
+            finished = d.submit(int, "5")
+            assert finished.result() == 5
+            with warnings.catch_warnings():
+                # Python 3.12 warns about forking a process with threads: that is the point.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    for what, call in [("submit", lambda: d.submit(int)),
+                                       ("lane submit", lambda: d.lanes[1].submit(int)),
+                                       ("pending result", lambda: pending.result()),
+                                       ("pending exception", lambda: pending.exception())]:
+                        try:
+                            call()
+                            print("child", what, "no error", flush=True)
+                        except RuntimeError as e:
+                            print("child", what, "RuntimeError:", e, flush=True)
+                    print("child finished result", finished.result(), flush=True)
+                    d.shutdown()  # a no-op for the parent's lanes
+                    own = pydflash.Dispatcher(["cpu"], guard_triton=False)
+                    print("child own", own.submit(sum, [1, 2, 3]).result(), flush=True)
+                    own.shutdown()
+                    code = 0
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            print("child status", os.waitstatus_to_exitcode(status), flush=True)
+            gate.set()
+            after = d.submit(int, "9").result()
+            print("parent pending", pending.result(), "submit", after, flush=True)
+            d.shutdown()
+            """
         ),
         timeout=SUBPROCESS_TIMEOUT_S,
     )
@@ -419,25 +422,25 @@ def test_exit_with_a_task_that_never_returns(run_python, stuck: str) -> None:
 def test_exit_cancels_queued_work_and_lets_the_running_task_finish(run_python) -> None:
     done = run_python(
         textwrap.dedent(
-        """
-        import threading, time, pydflash
-        d = pydflash.Dispatcher(["cpu"], guard_triton=False)
-        queued = []
-        started = threading.Event()
-        def running():
-            started.set()
-            # Returns once exit has cancelled the queue (bounded, so a bug cannot hang).
-            deadline = time.monotonic() + 60
-            def all_cancelled():
-                return len(queued) == 100 and all(f.cancelled() for f in queued)
-            while not all_cancelled() and time.monotonic() < deadline:
-                time.sleep(0.001)
-            print("running task finished; queue cancelled:", all_cancelled(), flush=True)
-        d.submit(running)
-        queued.extend(d.submit(print, "queued task ran", flush=True) for _ in range(100))
-        started.wait(60)  # exit while it runs, not before the lane picked it up
-        print("exiting", flush=True)
-        """
+            """
+            import threading, time, pydflash
+            d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+            queued = []
+            started = threading.Event()
+            def running():
+                started.set()
+                # Returns once exit has cancelled the queue (bounded, so a bug cannot hang).
+                deadline = time.monotonic() + 60
+                def all_cancelled():
+                    return len(queued) == 100 and all(f.cancelled() for f in queued)
+                while not all_cancelled() and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                print("running task finished; queue cancelled:", all_cancelled(), flush=True)
+            d.submit(running)
+            queued.extend(d.submit(print, "queued task ran", flush=True) for _ in range(100))
+            started.wait(60)  # exit while it runs, not before the lane picked it up
+            print("exiting", flush=True)
+            """
         ),
         timeout=SUBPROCESS_TIMEOUT_S,
     )
