@@ -4,11 +4,13 @@ the interpreter or cross a fork, and what the waiter and the other lanes see."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import random
 import re
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -131,6 +133,45 @@ def test_cancelling_twice_counts_once_for_an_all_completed_waiter(
             gate.set()
         waiting.join(30)
         assert not waiting.is_alive() and second.result() == 0
+
+
+@pytest.mark.parametrize("slot", [None, "cpu"])
+def test_compile_queue_holder_failing_while_other_lanes_wait(
+    dispatcher: pydflash.Dispatcher, slot: str | None
+) -> None:
+    from pydflash import compile_queue
+
+    lanes = dispatcher.lanes
+    for attempt in range(10):
+        key = f"test_faults.holder_fails.{slot}.{attempt}"
+        ran: list[int] = []
+
+        def waiters() -> int:
+            return sum(f["waiters"] for f in compile_queue.in_flight() if f["key"] == key)
+
+        def tune(i: int) -> None:
+            ran.append(i)
+            deadline = time.monotonic() + 30  # fail once every other lane waits on the key
+            while waiters() < len(lanes) - 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            raise ValueError(f"autotune of {key} failed in task {i}")
+
+        futures = [
+            lane.submit(compile_queue.run, key, functools.partial(tune, i), slot=slot)
+            for i, lane in enumerate(lanes)
+        ]
+        with pytest.raises(ExceptionGroup) as caught:
+            pydflash.wait_all(futures, timeout=60)
+        errors = caught.value.exceptions
+        assert len(ran) == 1, ran  # one holder ran; the other lanes received its error
+        assert [str(e) for e in errors] == [f"autotune of {key} failed in task {ran[0]}"] * 6
+        for lane, error in zip(lanes, errors):
+            assert names_lane(error, lane)
+            assert any(f"holding {key!r}" in note for note in error.__notes__)
+        stats = compile_queue.stats()["keys"][key]
+        assert (stats["runs"], stats["failures"], stats["shared"]) == (1, 1, len(lanes) - 1)
+        # The failure is not remembered: the next call on the key runs.
+        assert lanes[0].submit(compile_queue.run, key, lambda: 7).result(timeout=30) == 7
 
 
 # --- a task that never returns -----------------------------------------------------------
