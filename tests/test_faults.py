@@ -446,8 +446,10 @@ def test_exit_with_a_task_that_never_returns(run_python, stuck: str) -> None:
                 {body}
         def tiny(i):
             return i
-        d.lanes[0].submit(forever)
+        stuck = d.lanes[0].submit(forever)
         queued = [d.lanes[i % 2].submit(tiny, i) for i in range(5000)]
+        while not stuck.running():  # exit while it runs, not before it started
+            time.sleep(0.001)
         print("exiting", flush=True)
         """)
     for _ in range(5):
