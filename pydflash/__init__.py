@@ -19,6 +19,7 @@ from .errors import (
 from .info import build_info
 from .lane import Lane
 from .triton_guard import guard_triton, unguard_triton
+from .waiting import wait_all
 
 
 def __getattr__(name: str):
@@ -52,4 +53,5 @@ __all__ = [
     "build_info",
     "guard_triton",
     "unguard_triton",
+    "wait_all",
 ]

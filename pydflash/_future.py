@@ -82,10 +82,12 @@ class Future(C.FutureBase, concurrent.futures.Future):
         return self._lane
 
     def cancel(self) -> bool:
+        # Only the call that cancels notifies: a second notification would count a
+        # concurrent.futures.wait() waiter down twice and wake it early.
         if self._cancel_native():
             self._notify()
             return True
-        return False
+        return self._status == _CANCELLED
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if not self._wait(timeout):

@@ -259,14 +259,13 @@ CompileResult CompileQueue::wait_for_outcome(Lock& lock, const std::shared_ptr<F
     --flight->waiters;
     blocked_.erase(me);
   };
+  bool take_over = false;
   try {
     check_deadlock_locked(flight->holder, call, "'" + flight->key + "'");
     while (!flight->done) {
       if (flight->holder == std::thread::id()) {  // its holder left: take it
-        leave();
-        flight->holder = me;
-        flight->holder_label = call.options.label;
-        return run_as_holder(lock, flight, call);
+        take_over = true;
+        break;
       }
       call.blocked = true;
       if (!wait_slice(lock, call)) {
@@ -282,6 +281,13 @@ CompileResult CompileQueue::wait_for_outcome(Lock& lock, const std::shared_ptr<F
     throw;
   }
   leave();
+  if (take_over) {
+    // Outside the try: when the work throws, run_as_holder rethrows with the lock
+    // released, and the handler above would leave() a second time, unlocked.
+    flight->holder = me;
+    flight->holder_label = call.options.label;
+    return run_as_holder(lock, flight, call);
+  }
   auto& stats = stats_[flight->key];
   ++stats.shared;
   if (call.blocked) record_wait_locked(call, now_ns());

@@ -13,15 +13,15 @@ bool FutureState::try_start() {
   return status_.compare_exchange_strong(expected, FutureStatus::Running);
 }
 
-bool FutureState::cancel() {
+bool FutureState::try_cancel() {
   auto expected = FutureStatus::Pending;
-  if (status_.compare_exchange_strong(expected, FutureStatus::Cancelled)) {
-    end_ns = now_ns();
-    publish();
-    return true;
-  }
-  return expected == FutureStatus::Cancelled;
+  if (!status_.compare_exchange_strong(expected, FutureStatus::Cancelled)) return false;
+  end_ns = now_ns();
+  publish();
+  return true;
 }
+
+bool FutureState::cancel() { return try_cancel() || status() == FutureStatus::Cancelled; }
 
 bool FutureState::finish() {
   auto expected = FutureStatus::Running;

@@ -35,6 +35,9 @@ class FutureState {
   bool try_start();
   /// Pending -> Cancelled. True when cancelled now or before; false once running or done.
   bool cancel();
+  /// Pending -> Cancelled by this call: true for exactly one caller, which is the one
+  /// that notifies observers (a second notification would count a waiter down twice).
+  bool try_cancel();
   /// Running -> Finished. Returns whether an observer must be notified afterwards.
   /// See Note [Finish, then publish].
   bool finish();

@@ -132,7 +132,10 @@ std::vector<Task> Lane::shutdown(bool cancel) {
       queue_.push_internal(std::move(task));
       continue;
     }
-    if (task.future->cancel()) cancelled_.fetch_add(1, std::memory_order_relaxed);
+    // Queued futures are pending or already cancelled; only the ones cancelled here
+    // are left for the caller to notify.
+    if (!task.future->try_cancel()) task.future.reset();
+    cancelled_.fetch_add(1, std::memory_order_relaxed);
     unfinished_.fetch_sub(1, std::memory_order_relaxed);
     cancelled.push_back(std::move(task));
   }
@@ -142,18 +145,18 @@ std::vector<Task> Lane::shutdown(bool cancel) {
 bool Lane::join(double timeout_s) {
   if (thread_ == nullptr) return true;
   PYDFLASH_CHECK_STATE(!forked(), "cannot join lane ", index_, " in a forked child");
+  // Joined under the lock: a second joiner (two shutdowns, or one at exit) must not
+  // join the same thread again, which blocks forever, nor read its id meanwhile.
+  std::unique_lock<std::mutex> lock(exit_mutex_);
   PYDFLASH_CHECK_STATE(thread_->get_id() != std::this_thread::get_id(),
                        "a task cannot wait for its own lane to shut down (lane ", index_, ")");
-  {
-    std::unique_lock<std::mutex> lock(exit_mutex_);
-    if (timeout_s < 0) {
-      exit_cv_.wait(lock, [&] { return exited_; });
-    } else if (!exit_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
-                                  [&] { return exited_; })) {
-      return false;
-    }
+  if (timeout_s < 0) {
+    exit_cv_.wait(lock, [&] { return exited_; });
+  } else if (!exit_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                                [&] { return exited_; })) {
+    return false;
   }
-  if (thread_->joinable()) thread_->join();
+  if (thread_->joinable()) thread_->join();  // the worker has left exit_mutex_ for good
   return true;
 }
 
@@ -239,7 +242,17 @@ void Lane::worker_main() {
       if (!queue_.pop_wait(task, options_.spin_ns, [&] { return on_device_.load() == 0; }))
         break;
     }
-    run_one(task, entered);
+    try {
+      run_one(task, entered);
+    } catch (...) {
+      // Note [Threads ended at exit]: a finalizing Python interpreter ends any thread
+      // that tries to take the GIL (PyThread_exit_thread), unwinding these frames. The
+      // task's body holds interpreter objects that cannot be released without the GIL,
+      // during finalization: leak it rather than destroy it.
+      (void)task.body.release();
+      throw;
+    }
+    task.future.reset();
   }
   leave(entered);
   interpreter_->thread_exiting();
@@ -251,8 +264,9 @@ void Lane::worker_main() {
 }
 
 void Lane::run_one(Task& task, bool& entered) {
-  std::shared_ptr<FutureState> future = std::move(task.future);
-  std::unique_ptr<TaskBody> body = std::move(task.body);
+  // Left in `task`, so the worker can leak the body if this thread is ended midway.
+  std::shared_ptr<FutureState>& future = task.future;
+  std::unique_ptr<TaskBody>& body = task.body;
   if (body->needs_interpreter()) {
     enter(entered);
   } else {
@@ -268,8 +282,10 @@ void Lane::run_one(Task& task, bool& entered) {
     return;
   }
   if (!future->try_start()) {
+    // Cancelled while queued; whoever cancelled it published and notified.
+    cancelled_.fetch_add(1, std::memory_order_relaxed);
     unfinished_.fetch_sub(1, std::memory_order_relaxed);
-    destroy();  // cancelled while queued; whoever cancelled it published and notified
+    destroy();
     return;
   }
   const bool trace = tracing();

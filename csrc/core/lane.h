@@ -109,6 +109,8 @@ class Lane : public std::enable_shared_from_this<Lane> {
 
   /// Closes the queue. With cancel, returns the queued tasks with their futures
   /// cancelled; the caller notifies observers and destroys them (it may hold the GIL).
+  /// A task whose future was cancelled before comes back without it: its canceller
+  /// has notified it, so it is only destroyed.
   std::vector<Task> shutdown(bool cancel);
   /// Waits for the worker to finish everything queued and exit. False on timeout
   /// (timeout_s < 0 waits forever).

@@ -31,11 +31,12 @@ class TaskQueue {
 
   /// Pushes even when closed: completions of work already started must still arrive.
   void push_internal(T item) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      items_.push_back(std::move(item));
-      size_.store(items_.size(), std::memory_order_seq_cst);
-    }
+    // Notifies under the lock: the poster (a device callback) holds no reference to
+    // the queue's owner, whose consumer may run this item, exit and destroy the queue
+    // as soon as the lock is free.
+    std::lock_guard<std::mutex> lock(mutex_);
+    items_.push_back(std::move(item));
+    size_.store(items_.size(), std::memory_order_seq_cst);
     cv_.notify_one();
   }
 

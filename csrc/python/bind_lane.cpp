@@ -76,30 +76,47 @@ PyObject* submit(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* k
   return submit_to(*lane, args[1], args + 2, nargs - 2, kwnames);
 }
 
-// _C.submit_least_busy(native_lanes, owners, fn, /, *args, **kwargs): to the lane with
-// the fewest tasks queued, running or on the device; ties go to the first.
+// The index of the lane with the fewest tasks queued, running or on the device (ties go
+// to the first), or -1 when there is none; `open_only` skips lanes already shut down.
+Py_ssize_t least_busy(PyObject* native_lanes, bool open_only) {
+  auto lanes = py::handle(native_lanes).cast<py::tuple>();
+  Py_ssize_t best = -1;
+  uint64_t best_load = UINT64_MAX;
+  for (Py_ssize_t i = 0; i < static_cast<Py_ssize_t>(lanes.size()); ++i) {
+    auto& l = lanes[i].cast<PyLane&>();
+    if (open_only && l.lane->closed()) continue;
+    const uint64_t load = l.lane->load();
+    if (best < 0 || load < best_load) {
+      best = i;
+      best_load = load;
+    }
+  }
+  return best;
+}
+
+// _C.submit_least_busy(native_lanes, owners, fn, /, *args, **kwargs): to the least busy lane.
 PyObject* submit_least_busy(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   if (!check_fn_given(nargs, 2)) return nullptr;
-  PyLane* best = nullptr;
-  Py_ssize_t best_index = 0;
+  auto lane_at = [&](Py_ssize_t i) -> PyLane& {
+    return py::handle(PyTuple_GET_ITEM(args[0], i)).cast<PyLane&>();
+  };
+  auto submit_at = [&](Py_ssize_t i) {
+    return submit_to(lane_at(i), PyTuple_GET_ITEM(args[1], i), args + 2, nargs - 2, kwnames);
+  };
   try {
-    auto lanes = py::handle(args[0]).cast<py::tuple>();
-    uint64_t best_load = UINT64_MAX;
-    for (Py_ssize_t i = 0; i < static_cast<Py_ssize_t>(lanes.size()); ++i) {
-      auto& l = lanes[i].cast<PyLane&>();
-      const uint64_t load = l.lane->load();
-      if (load < best_load) {
-        best = &l;
-        best_load = load;
-        best_index = i;
-      }
-    }
-    PYDFLASH_INTERNAL_ASSERT(best != nullptr);
+    const Py_ssize_t best = least_busy(args[0], /*open_only=*/false);
+    PYDFLASH_INTERNAL_ASSERT(best >= 0);
+    PyObject* future = submit_at(best);
+    if (future != nullptr || !lane_at(best).lane->closed()) return future;
+    // A lane shut down on its own is idle, so it looks least busy: try the open ones.
+    const Py_ssize_t open = least_busy(args[0], /*open_only=*/true);
+    if (open < 0) return nullptr;
+    PyErr_Clear();
+    return submit_at(open);
   } catch (...) {
     set_python_error(std::current_exception());
     return nullptr;
   }
-  return submit_to(*best, PyTuple_GET_ITEM(args[1], best_index), args + 2, nargs - 2, kwnames);
 }
 
 PyMethodDef submit_defs[] = {
@@ -110,11 +127,16 @@ PyMethodDef submit_defs[] = {
      METH_FASTCALL | METH_KEYWORDS,
      "submit_least_busy(native_lanes, owners, fn, /, *args, **kwargs) -> Future"}};
 
-void finish_cancelled(std::vector<Task>& tasks) {
+// Returns how many tasks this shutdown cancelled (those that still have a future).
+size_t finish_cancelled(std::vector<Task>& tasks) {
+  size_t count = 0;
   for (auto& task : tasks) {
+    if (!task.future) continue;
+    ++count;
     if (task.future->observed()) task.body->notify(*task.future);
   }
   tasks.clear();  // bodies die here, under the GIL
+  return count;
 }
 
 }  // namespace
@@ -176,9 +198,7 @@ void init_lane(py::module_& m) {
           "shutdown",
           [](PyLane& l, bool cancel) {
             auto cancelled = l.lane->shutdown(cancel);
-            const auto count = cancelled.size();
-            finish_cancelled(cancelled);
-            return count;
+            return finish_cancelled(cancelled);
           },
           py::arg("cancel"))
       .def(

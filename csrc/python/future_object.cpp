@@ -1,9 +1,12 @@
 #include "python/future_object.h"
 
 #include <pybind11/pybind11.h>
+#include <pthread.h>
 #include <structmember.h>
+#include <unistd.h>
 
 #include <new>
+#include <string>
 
 #include "python/bindings.h"
 #include "python/lane_runtime.h"
@@ -64,10 +67,32 @@ double parse_timeout(PyObject* timeout) {
   return t < 0 ? 0.0 : t;
 }
 
+// Note [Futures across fork]: a child forked while a task was queued has no worker to
+// run it, so waiting for it would never end. Set in the child by a fork handler; only
+// then is the future's lane asked whether it belongs to the parent.
+bool in_forked_child = false;
+
+// Sets RuntimeError and returns true when `f` waits for a lane of the parent process.
+bool orphaned_by_fork(FutureObject* f) {
+  try {
+    py::object native = py::handle(f->lane).attr("_native");
+    if (!native.attr("forked").cast<bool>()) return false;
+    const std::string message =
+        "this future's task was queued on pydflash " + native.attr("label").cast<std::string>() +
+        " before a fork and cannot finish in the forked child (pid " + std::to_string(getpid()) +
+        "); create a new Dispatcher in the child";
+    PyErr_SetString(PyExc_RuntimeError, message.c_str());
+  } catch (...) {
+    set_python_error(std::current_exception());
+  }
+  return true;
+}
+
 // Waits; sets TimeoutError/KeyboardInterrupt and returns false when it ends undone.
 bool wait_or_raise(FutureObject* f, PyObject* timeout_arg) {
   const double timeout = parse_timeout(timeout_arg);
   if (timeout == -2.0) return false;
+  if (in_forked_child && orphaned_by_fork(f)) return false;
   try {
     if (wait_interruptibly(*f->state, timeout)) return true;
   } catch (py::error_already_set& e) {
@@ -116,8 +141,9 @@ PyObject* running(PyObject* self, PyObject*) {
   return PyBool_FromLong(self_of(self)->state->status() == FutureStatus::Running);
 }
 
+// True only for the call that cancels: Future.cancel() notifies observers then.
 PyObject* cancel_native(PyObject* self, PyObject*) {
-  return PyBool_FromLong(self_of(self)->state->cancel());
+  return PyBool_FromLong(self_of(self)->state->try_cancel());
 }
 
 PyObject* mark_observed(PyObject* self, PyObject*) {
@@ -221,6 +247,7 @@ PyObject* new_future(PyObject* type, std::shared_ptr<FutureState> state, PyObjec
 }
 
 void add_future_type(PyObject* module) {
+  pthread_atfork(nullptr, nullptr, [] { in_forked_child = true; });
   PyObject* base = PyImport_ImportModule("concurrent.futures._base");
   if (base == nullptr) throw py::error_already_set();
   const char* names[4] = {"PENDING", "RUNNING", "CANCELLED_AND_NOTIFIED", "FINISHED"};

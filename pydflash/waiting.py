@@ -1,0 +1,73 @@
+"""Waiting for several futures at once and reporting every failure, not only the first."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from typing import Any, Iterable
+
+
+def _lane_name(future: concurrent.futures.Future) -> str:
+    lane = getattr(future, "lane", None)
+    return f"pydflash {lane._native.label}" if lane is not None else "an executor outside pydflash"
+
+
+def wait_all(
+    futures: Iterable[concurrent.futures.Future], timeout: float | None = None
+) -> list[Any]:
+    """Waits until every future is done and returns their results, in order.
+
+    If any task raised or was cancelled, raises an ExceptionGroup of all of them (in
+    order) once every future is done; each carries a note naming the lane it ran on.
+    Raises TimeoutError, naming the lanes still busy, when they are not all done
+    within `timeout` seconds. Ctrl-C interrupts the wait.
+    """
+    futures = list(futures)
+    for i, future in enumerate(futures):
+        if not isinstance(future, concurrent.futures.Future):
+            raise TypeError(
+                f"expected concurrent.futures.Future objects, got {type(future).__name__} "
+                f"at index {i}"
+            )
+    if timeout is not None and not timeout >= 0:
+        raise ValueError(f"expected timeout >= 0 or None, got {timeout!r}")
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for future in futures:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            future.exception(remaining)
+        except concurrent.futures.CancelledError:
+            pass
+        except TimeoutError:
+            busy = [f for f in futures if not f.done()]
+            lanes = sorted({_lane_name(f) for f in busy})
+            raise TimeoutError(
+                f"{len(busy)} of {len(futures)} futures not done after {timeout} s "
+                f"(on {', '.join(lanes)})"
+            ) from None
+
+    results: list[Any] = []
+    failures: list[BaseException] = []
+    for future in futures:
+        if future.cancelled():
+            cancelled = concurrent.futures.CancelledError(
+                f"cancelled before it ran on {_lane_name(future)}"
+            )
+            failures.append(cancelled)
+            continue
+        error = future.exception()
+        if error is None:
+            results.append(future.result())
+            continue
+        note = f"raised in {_lane_name(future)}"
+        if not any(note in n for n in getattr(error, "__notes__", ())):
+            error.add_note(note)
+        failures.append(error)
+    if failures:
+        # BaseExceptionGroup builds a plain ExceptionGroup unless a task raised a
+        # BaseException (KeyboardInterrupt, SystemExit), which ExceptionGroup refuses.
+        raise BaseExceptionGroup(
+            f"{len(failures)} of {len(futures)} tasks failed", failures
+        )
+    return results

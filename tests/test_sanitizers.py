@@ -1,0 +1,103 @@
+"""Builds the native tests (tests/native) under ThreadSanitizer and AddressSanitizer and
+runs them, stress test included, at a scale that fits CI (PYDFLASH_STRESS_SCALE
+overrides it; 1 is the full million-task run)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD_TIMEOUT_S = 240
+RUN_TIMEOUT_S = 240
+
+# Scales that keep each run well under a minute on a shared 2-core machine.
+CI_SCALE = {"thread": "0.1", "address": "0.25"}
+REPORT_MARKERS = {
+    "thread": "WARNING: ThreadSanitizer",
+    "address": "ERROR: AddressSanitizer",
+}
+RUNTIME_OPTIONS = {
+    "thread": ("TSAN_OPTIONS", "halt_on_error=1:second_deadlock_stack=1"),
+    "address": ("ASAN_OPTIONS", "halt_on_error=1:detect_leaks=1:strict_init_order=1"),
+}
+
+
+def _configure_args(build_type: str) -> list[str]:
+    import pybind11
+
+    args = [
+        f"-DCMAKE_BUILD_TYPE={build_type}",
+        "-DPYDFLASH_NATIVE_TESTS=ON",
+        "-DPYDFLASH_CUDA=OFF",
+        f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+        f"-DPython_EXECUTABLE={sys.executable}",
+    ]
+    ninja = shutil.which("ninja")
+    if ninja:
+        args += ["-GNinja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
+    return args
+
+
+def build_native_tests(build_dir: Path, sanitizer: str) -> Path:
+    """Configures and builds tests/native with `sanitizer`; returns the test binary."""
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not on PATH (it is a build requirement: pip install cmake)")
+    configure = [
+        "cmake",
+        str(ROOT),
+        *_configure_args("RelWithDebInfo"),
+        f"-DPYDFLASH_SANITIZE={sanitizer}",
+    ]
+    jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or str(os.cpu_count() or 2)
+    build = ["cmake", "--build", ".", "--target", "pydflash_native_tests", "--parallel", jobs]
+    for command in (configure, build):
+        done = subprocess.run(
+            command, cwd=build_dir, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+        )
+        assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
+    return build_dir / "pydflash_native_tests"
+
+
+@pytest.mark.parametrize("sanitizer", ["thread", "address"])
+def test_native_tests_clean_under_sanitizer(
+    sanitizer: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    binary = build_native_tests(tmp_path_factory.mktemp(f"native-{sanitizer}"), sanitizer)
+    env = dict(os.environ)
+    env.setdefault("PYDFLASH_STRESS_SCALE", CI_SCALE[sanitizer])
+    name, options = RUNTIME_OPTIONS[sanitizer]
+    env[name] = options
+    done = subprocess.run(
+        [str(binary)], capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env
+    )
+    output = done.stdout + done.stderr
+    assert REPORT_MARKERS[sanitizer] not in output, output[-20000:]
+    assert done.returncode == 0, output[-20000:]
+    summary = re.search(r"^(\d+) passed, (\d+) failed$", done.stdout, re.MULTILINE)
+    assert summary is not None and int(summary[1]) > 0 and summary[2] == "0", output[-20000:]
+    stress = re.search(r"STRESS tasks=(\d+) finished=(\d+) cancelled=(\d+)", done.stdout)
+    assert stress is not None, output[-20000:]
+    tasks, finished, cancelled = map(int, stress.groups())
+    assert tasks > 0 and finished + cancelled == tasks
+    print(f"{sanitizer}: {stress[0]}")
+
+
+def test_sanitize_option_rejects_unknown_values(tmp_path: Path) -> None:
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not on PATH (it is a build requirement: pip install cmake)")
+    done = subprocess.run(
+        ["cmake", str(ROOT), *_configure_args("Release"), "-DPYDFLASH_SANITIZE=memory"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
+    )
+    assert done.returncode != 0
+    assert "PYDFLASH_SANITIZE must be 'thread' or 'address', got 'memory'" in done.stderr
