@@ -22,7 +22,7 @@ def register_thread_hook(hook: Callable[[int], None]) -> None:
             _hooks.append(hook)
 
 
-def init_thread(device: int, stream: int, copy_stream: int) -> tuple | None:
+def init_thread(device: int, stream: int) -> tuple | None:
     """Returns (set_stream, args) that re-select the lane stream before each task,
     or None on CPU lanes."""
     import torch

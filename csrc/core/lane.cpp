@@ -214,36 +214,33 @@ std::vector<TraceRecord> Lane::take_trace() {
   return out;
 }
 
-void Lane::enter(bool& entered) {
-  if (!entered) {
+void Lane::enter() {
+  if (!in_interpreter_->load(std::memory_order_relaxed)) {  // only this thread writes it
     interpreter_->enter();
-    entered = true;
     in_interpreter_->store(true, std::memory_order_release);
   }
 }
 
-void Lane::leave(bool& entered) {
-  if (entered) {
+void Lane::leave() {
+  if (in_interpreter_->load(std::memory_order_relaxed)) {
     in_interpreter_->store(false, std::memory_order_release);
     interpreter_->leave();
-    entered = false;
   }
 }
 
 void Lane::worker_main() {
   if (is_gpu()) device::set_device(device_);
   interpreter_->thread_started(*this);
-  bool entered = false;
   Task task;
   for (;;) {
     if (!queue_.try_pop(task)) {
       // Idle: give the interpreter back before polling and sleeping.
-      leave(entered);
+      leave();
       if (!queue_.pop_wait(task, options_.spin_ns, [&] { return on_device_.load() == 0; }))
         break;
     }
     try {
-      run_one(task, entered);
+      run_one(task);
     } catch (...) {
       // Note [Threads ended at exit]: a finalizing Python interpreter ends any thread
       // that tries to take the GIL (PyThread_exit_thread), unwinding these frames. The
@@ -254,7 +251,7 @@ void Lane::worker_main() {
     }
     task.future.reset();
   }
-  leave(entered);
+  leave();
   interpreter_->thread_exiting();
   {
     std::lock_guard<std::mutex> lock(exit_mutex_);
@@ -263,17 +260,17 @@ void Lane::worker_main() {
   exit_cv_.notify_all();
 }
 
-void Lane::run_one(Task& task, bool& entered) {
+void Lane::run_one(Task& task) {
   // Left in `task`, so the worker can leak the body if this thread is ended midway.
   std::shared_ptr<FutureState>& future = task.future;
   std::unique_ptr<TaskBody>& body = task.body;
   if (body->needs_interpreter()) {
-    enter(entered);
+    enter();
   } else {
-    leave(entered);
+    leave();
   }
   auto destroy = [&] {
-    if (body->needs_interpreter_to_destroy()) enter(entered);
+    if (body->needs_interpreter_to_destroy()) enter();
     body.reset();
   };
   if (!future) {  // internal work: a completion of device work
@@ -322,12 +319,12 @@ void Lane::run_one(Task& task, bool& entered) {
   completed_.fetch_add(1, std::memory_order_relaxed);
   unfinished_.fetch_sub(1, std::memory_order_relaxed);
   if (future->finish()) {
-    enter(entered);
+    enter();
     body->notify(*future);
   }
   destroy();
   // Note [Finish, then publish].
-  if (queue_.size() == 0) leave(entered);
+  if (queue_.size() == 0) leave();
   future->publish();
 }
 

@@ -135,9 +135,10 @@ class Lane : public std::enable_shared_from_this<Lane> {
 
  private:
   void worker_main();
-  void run_one(Task& task, bool& entered);
-  void enter(bool& entered);
-  void leave(bool& entered);
+  void run_one(Task& task);
+  /// Enter or leave the interpreter; in_interpreter_ says which the worker is in.
+  void enter();
+  void leave();
 
   const int index_;
   const int device_;
@@ -149,7 +150,8 @@ class Lane : public std::enable_shared_from_this<Lane> {
   void* copy_stream_ = nullptr;
 
   TaskQueue<Task> queue_;
-  // Whether the worker holds the interpreter; futures read it (Note [Finish, then publish]).
+  // Whether the worker holds the interpreter. Written by the worker only; futures read
+  // it (Note [Finish, then publish]).
   std::shared_ptr<std::atomic<bool>> in_interpreter_ = std::make_shared<std::atomic<bool>>(false);
   std::thread* thread_ = nullptr;  // leaked in a forked child: its thread does not exist there
   std::atomic<bool> running_task_{false};

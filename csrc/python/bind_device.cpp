@@ -42,10 +42,6 @@ void init_device(py::module_& m) {
   m.def(
       "query_event", [](uintptr_t event) { return device::query_event(as_ptr(event)); },
       py::arg("event"));
-  m.def(
-      "elapsed_ms",
-      [](uintptr_t start, uintptr_t end) { return device::elapsed_ms(as_ptr(start), as_ptr(end)); },
-      py::arg("start"), py::arg("end"));
 }
 
 }  // namespace pydflash::python

@@ -19,12 +19,6 @@ struct PyLane {
   std::shared_ptr<Lane> lane;
 };
 
-double timeout_seconds(const py::object& timeout) {
-  if (timeout.is_none()) return -1.0;
-  const double t = timeout.cast<double>();
-  return t < 0 ? 0.0 : t;
-}
-
 // Queues fn(*args, **kwargs) on a lane; args[0] is fn. Returns a new reference.
 PyObject* submit_to(PyLane& l, PyObject* owner, PyObject* const* args, Py_ssize_t nargs,
                     PyObject* kwnames) {
@@ -204,7 +198,8 @@ void init_lane(py::module_& m) {
       .def(
           "join",
           [](PyLane& l, py::object timeout) {
-            const double t = timeout_seconds(timeout);
+            const double t = parse_timeout(timeout.ptr());
+            if (t == -2.0) throw py::error_already_set();
             py::gil_scoped_release nogil;
             return l.lane->join(t);
           },

@@ -60,12 +60,6 @@ PyObject* no_new(PyTypeObject*, PyObject*, PyObject*) {
   return nullptr;
 }
 
-double parse_timeout(PyObject* timeout) {
-  if (timeout == nullptr || timeout == Py_None) return -1.0;
-  const double t = PyFloat_AsDouble(timeout);
-  if (t == -1.0 && PyErr_Occurred()) return -2.0;
-  return t < 0 ? 0.0 : t;
-}
 
 // Note [Futures across fork]: a child forked while a task was queued has no worker to
 // run it, so waiting for it would never end. Set in the child by a fork handler; only
@@ -212,6 +206,13 @@ PyMemberDef members[] = {
     {nullptr, 0, 0, 0, nullptr}};
 
 }  // namespace
+
+double parse_timeout(PyObject* timeout) {
+  if (timeout == nullptr || timeout == Py_None) return -1.0;
+  const double t = PyFloat_AsDouble(timeout);
+  if (t == -1.0 && PyErr_Occurred()) return -2.0;
+  return t < 0 ? 0.0 : t;
+}
 
 bool wait_interruptibly(FutureState& state, double timeout_s) {
   if (state.done()) return true;

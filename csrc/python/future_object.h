@@ -30,6 +30,10 @@ PyObject* new_future(PyObject* type, std::shared_ptr<FutureState> state, PyObjec
 
 FutureObject* as_future(PyObject* obj);
 
+/// Seconds from a Python timeout: null or None is -1 (wait forever), a negative number
+/// is 0. Returns -2 with a Python error set when it is not a number.
+double parse_timeout(PyObject* timeout);
+
 /// Releases the GIL while waiting, checking for signals between slices; true when done.
 /// Throws pybind11::error_already_set when a signal handler raised.
 bool wait_interruptibly(FutureState& state, double timeout_s);

@@ -322,9 +322,8 @@ void LaneRuntime::prepare_task(Lane& lane) {
     // First task after torch was imported: per-thread torch setup (device, stream,
     // Triton allocator, registered hooks), returning how to re-select the stream.
     PyObject* init_thread = cached_attr(init_thread_fn, "pydflash._lane_runtime", "init_thread");
-    PyObject* r = PyObject_CallFunction(init_thread, "iKK", lane.device(),
-                                        (unsigned long long)(uintptr_t)lane.stream(),
-                                        (unsigned long long)(uintptr_t)lane.copy_stream());
+    PyObject* r = PyObject_CallFunction(init_thread, "iK", lane.device(),
+                                        (unsigned long long)(uintptr_t)lane.stream());
     if (r == nullptr) throw py::error_already_set();
     if (r != Py_None) {
       set_stream_ = PySequence_GetItem(r, 0);
