@@ -115,6 +115,9 @@ def default_placement(args: argparse.Namespace, local_rank: int | None) -> Place
     devices = args.devices
     if devices is None:
         if local_rank is not None:
+            if gpus and local_rank >= gpus:
+                raise SystemExit(f"local rank {local_rank} has no GPU of its own ({gpus} "
+                                 "visible): start fewer processes per node, or pass --devices")
             devices = [f"cuda:{local_rank}" if gpus else "cpu"]
         else:
             devices = [f"cuda:{i}" for i in range(gpus)] if gpus else ["cpu"]

@@ -15,8 +15,18 @@ SPIN_NS = 50_000_000  # 50 ms of GPU work from the busy-wait kernel
 @pytest.fixture
 def two_lanes():
     d = pydflash.Dispatcher([0, 0], guard_triton=False)
+    for lane in d.lanes:
+        lane.submit(load_kernels).result()
     yield d.lanes
     d.shutdown()
+
+
+def load_kernels():
+    # CUDA loads kernels lazily, and loading one can wait for the whole device: a first
+    # fill queued behind a busy lane would block the host for the other lane's spin.
+    pydflash._C.busy_wait(torch.cuda.current_stream().cuda_stream, 1000)
+    x = torch.full((1 << 20,), 1.0, device="cuda")
+    (x * 2).sum().item()
 
 
 def test_default_is_one_lane_per_gpu():
@@ -76,18 +86,17 @@ def test_handed_over_memory_is_not_reused_early(two_lanes):
     producer, consumer = two_lanes
     n = 1 << 22
     for _ in range(5):
-        f = producer.submit(lambda: torch.full((n,), 7.0, device="cuda"))
+        handed = [producer.submit(lambda: torch.full((n,), 7.0, device="cuda"))]
 
         def consume():
-            x = f.wait_stream()
+            x = handed.pop().wait_stream()  # from here on only x holds the tensor
             pydflash._C.busy_wait(consumer.stream_ptr, 20_000_000)  # read happens later
             return x.sum()
 
         total = consumer.submit(consume)
         overwrite = producer.submit(lambda: [torch.zeros(n, device="cuda") for _ in range(4)])
-        del f
         overwrite.result()
-        assert total.result().item() == 7.0 * n
+        assert total.wait_stream().item() == 7.0 * n  # ordered after the consumer's sum
 
 
 def test_many_lanes_overlap_on_one_gpu():

@@ -242,8 +242,8 @@ def test_check_mode_finds_the_pipeline_equal_to_the_sequential_loop(tmp_path):
 @pytest.mark.timeout(300)
 def test_torchrun_trains_one_ddp_drafter_across_two_processes(tmp_path):
     steps, world = 4, 2
-    run_script("--tiny", "--steps", str(steps), "--no-plot", "--out", str(tmp_path),
-               "--save-drafter", str(tmp_path / "drafter.pt"), nproc=world)
+    run_script("--tiny", "--steps", str(steps), "--devices", "cpu", "--no-plot",
+               "--out", str(tmp_path), "--save-drafter", str(tmp_path / "drafter.pt"), nproc=world)
     names = ("summary.json", "summary.rank1.json")
     ranks = [json.loads((tmp_path / name).read_text()) for name in names]
     assert [r["world"] for r in ranks] == [world, world]

@@ -341,15 +341,17 @@ def test_gpu_graph_stays_alive_until_the_gpu_is_done(gpu_lane):
     from pydflash import _C
 
     def slow(x):
-        _C.busy_wait(torch.cuda.current_stream().cuda_stream, 50_000_000)
+        # Long enough to outlast gc.collect() over torch's heap.
+        _C.busy_wait(torch.cuda.current_stream().cuda_stream, 2_000_000_000)
         return x * 3
 
-    captured = graphs.capture(slow, torch.ones(1024, device="cuda"), gpu_lane, warmup=1)
+    captured = graphs.capture(slow, torch.ones(1024, device="cuda"), gpu_lane, warmup=0)
     alive = weakref.ref(captured)
     out = captured.static_outputs
     future = gpu_lane.submit_graph(captured)
     del captured
     gc.collect()
+    assert not future.done(), "the graph finished before the check: spin longer"
     assert alive() is not None  # the lane holds it while the graph runs
     future.result()
     assert torch.equal(out, torch.full((1024,), 3.0, device="cuda"))

@@ -461,14 +461,22 @@ FAKE_FLA = {
 
 @pytest.fixture
 def fake_fla(tmp_path, monkeypatch):
+    """A stand-in flash-linear-attention package; a real one imported before is put
+    aside meanwhile and restored."""
+
+    def take_fla_modules() -> dict:
+        names = [m for m in sys.modules if m == "fla" or m.startswith("fla.")]
+        return {name: sys.modules.pop(name) for name in names}
+
+    real = take_fla_modules()
     for name, text in FAKE_FLA.items():
         path = tmp_path / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text))
     monkeypatch.syspath_prepend(str(tmp_path))
     yield
-    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
-        del sys.modules[name]
+    take_fla_modules()
+    sys.modules.update(real)
 
 
 def cache_type(fn) -> type:

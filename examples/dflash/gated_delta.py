@@ -42,8 +42,9 @@ def gated_delta_rule(
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
     """o [B, T, H, V] from q, k [B, T, H, K], v [B, T, H, V], g and beta [B, T, H]."""
-    kernel = fla_kernel()
-    if kernel is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+    # Only CUDA half-precision inputs need the package: importing it costs seconds.
+    kernel = fla_kernel() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) else None
+    if kernel is not None:
         o, _ = kernel(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm)
         return o
     return torch_gated_delta_rule(q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm)
