@@ -71,7 +71,7 @@ def make_setup(ctx: Context) -> Setup:
         target = TargetConfig(layers=8, capture_layers=(1, 4, 7)) if ctx.quick else TargetConfig()
         batch = 4 if ctx.quick else 8
         job = Job(target, DrafterConfig(), seq=1024, batch=batch, accumulate=4, lr=3e-4)
-        return Setup(job, placement, steps=ctx.reps(20, 6), reps=ctx.reps(5, 2), warmup=3, on_gpu=True)
+        return Setup(job, placement, steps=ctx.reps(8, 4), reps=ctx.reps(3, 2), warmup=3, on_gpu=True)
     job = Job(TINY_TARGET, TINY_DRAFTER, seq=32, batch=2, accumulate=2, lr=3e-3)
     return Setup(job, placement, steps=ctx.reps(10, 3), reps=ctx.reps(3, 1), warmup=1, on_gpu=False)
 

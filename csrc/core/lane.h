@@ -154,13 +154,18 @@ class Lane : public std::enable_shared_from_this<Lane> {
   // it (Note [Finish, then publish]).
   std::shared_ptr<std::atomic<bool>> in_interpreter_ = std::make_shared<std::atomic<bool>>(false);
   std::thread* thread_ = nullptr;  // leaked in a forked child: its thread does not exist there
-  std::atomic<bool> running_task_{false};
-  std::atomic<int64_t> on_device_{0};
-  // Submitted and not yet finished or cancelled: what load() reports. Counted at
+  // Counters on three cache lines, by who writes them, so a submitting thread and the
+  // worker do not take each other's line on every task.
+  // Submitters:
+  alignas(64) std::atomic<uint64_t> next_id_{1};
+  std::atomic<uint64_t> submitted_{0};
+  // Both. Submitted and not yet finished or cancelled: what load() reports. Counted at
   // submit, so a task the worker has popped but not yet started still counts.
-  std::atomic<int64_t> unfinished_{0};
-  std::atomic<uint64_t> next_id_{1};
-  std::atomic<uint64_t> submitted_{0}, completed_{0}, cancelled_{0};
+  alignas(64) std::atomic<int64_t> unfinished_{0};
+  // The worker (and device completions):
+  alignas(64) std::atomic<bool> running_task_{false};
+  std::atomic<int64_t> on_device_{0};
+  std::atomic<uint64_t> completed_{0}, cancelled_{0};
   std::atomic<int64_t> busy_ns_{0}, queue_wait_ns_{0};
 
   std::mutex exit_mutex_;

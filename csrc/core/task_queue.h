@@ -21,7 +21,7 @@ class TaskQueue {
   bool push(T item) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (closed_) return false;
+      if (closed_.load(std::memory_order_relaxed)) return false;
       items_.push_back(std::move(item));
       size_.store(items_.size(), std::memory_order_seq_cst);
     }
@@ -65,7 +65,7 @@ class TaskQueue {
   void close() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      closed_ = true;
+      closed_.store(true, std::memory_order_release);
     }
     cv_.notify_all();
   }
@@ -76,10 +76,8 @@ class TaskQueue {
     cv_.notify_all();
   }
 
-  bool closed() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return closed_;
-  }
+  /// A hint for callers (push decides under the lock): no lock on the submit path.
+  bool closed() const { return closed_.load(std::memory_order_acquire); }
 
   std::size_t size() const { return size_.load(std::memory_order_relaxed); }
 
@@ -105,7 +103,7 @@ class TaskQueue {
 
   template <typename StopFn>
   bool stop_locked(StopFn& stop) {
-    return closed_ && stop();
+    return closed_.load(std::memory_order_relaxed) && stop();
   }
 
   mutable std::mutex mutex_;
@@ -113,7 +111,7 @@ class TaskQueue {
   std::deque<T> items_;
   std::atomic<std::size_t> size_{0};
   std::atomic<bool> sleeping_{false};
-  bool closed_ = false;
+  std::atomic<bool> closed_{false};  // written under mutex_
 };
 
 }  // namespace pydflash

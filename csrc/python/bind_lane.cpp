@@ -39,7 +39,7 @@ PyObject* submit_to(PyLane& l, PyObject* owner, PyObject* const* args, Py_ssize_
     auto state = l.lane->new_future();
     py::object future = make_python_future(*l.rt, state, owner);
     l.lane->submit(std::move(state),
-                   make_python_task(l.rt, py::reinterpret_borrow<py::object>(fn), std::move(call_args),
+                   make_python_task(*l.rt, py::reinterpret_borrow<py::object>(fn), std::move(call_args),
                                     std::move(kwargs), future, l.lane->tracing()));
     return future.release().ptr();
   } catch (...) {
@@ -169,7 +169,7 @@ void init_lane(py::module_& m) {
             PYDFLASH_CHECK_VALUE(graph_exec != 0, "expected a captured graph, got a null handle");
             auto state = l.lane->new_future();
             py::object future = make_python_future(*l.rt, state, owner);
-            l.lane->submit(state, make_graph_task(l.rt, graph_exec, std::move(keepalive), future));
+            l.lane->submit(state, make_graph_task(*l.rt, graph_exec, std::move(keepalive), future));
             return future;
           },
           py::arg("graph_exec"), py::arg("keepalive"), py::arg("owner"))

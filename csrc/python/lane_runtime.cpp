@@ -109,9 +109,9 @@ void store_outcome(FutureObject* future, PyObject* result, const std::string& la
 
 class PythonTask final : public TaskBody {
  public:
-  PythonTask(std::shared_ptr<LaneRuntime> rt, py::object fn, py::tuple args, py::object kwargs,
+  PythonTask(LaneRuntime& rt, py::object fn, py::tuple args, py::object kwargs,
              py::object future, TorchSnapshot torch, std::string label)
-      : rt_(std::move(rt)),
+      : rt_(rt),
         fn_(std::move(fn)),
         args_(std::move(args)),
         kwargs_(std::move(kwargs)),
@@ -124,7 +124,7 @@ class PythonTask final : public TaskBody {
   bool run(Lane& lane, FutureState* state) override {
     PyObject* result = nullptr;
     try {
-      rt_->prepare_task(lane);
+      rt_.prepare_task(lane);
       result = call();
     } catch (py::error_already_set& e) {
       e.restore();
@@ -141,7 +141,7 @@ class PythonTask final : public TaskBody {
         }
       }
     }
-    store_outcome(as_future(future_.ptr()), result, rt_->label);
+    store_outcome(as_future(future_.ptr()), result, rt_.label);
     return true;
   }
 
@@ -170,7 +170,7 @@ class PythonTask final : public TaskBody {
     return PyObject_Call(fn_.ptr(), args_.ptr(), kwargs_.is_none() ? nullptr : kwargs_.ptr());
   }
 
-  std::shared_ptr<LaneRuntime> rt_;
+  LaneRuntime& rt_;
   py::object fn_;
   py::tuple args_;
   py::object kwargs_;
@@ -184,9 +184,8 @@ class PythonTask final : public TaskBody {
 // then posts a GraphRelease to drop the graph (and its memory pool) under the GIL.
 class GraphTask final : public TaskBody {
  public:
-  GraphTask(std::shared_ptr<LaneRuntime> rt, uintptr_t exec, py::object keepalive,
-            py::object future)
-      : rt_(std::move(rt)),
+  GraphTask(LaneRuntime& rt, uintptr_t exec, py::object keepalive, py::object future)
+      : rt_(rt),
         exec_(exec),
         keepalive_(keepalive.release().ptr()),
         future_(future.release().ptr()) {}
@@ -206,7 +205,7 @@ class GraphTask final : public TaskBody {
 
  private:
   friend struct GraphCompletion;
-  std::shared_ptr<LaneRuntime> rt_;
+  LaneRuntime& rt_;
   uintptr_t exec_;
   PyObject* keepalive_;
   PyObject* future_;
@@ -249,7 +248,7 @@ bool GraphTask::run(Lane& lane, FutureState* state) {
     device::launch_graph(exec_, lane.stream());
     state->set_event(lane.record_event());
   } catch (const std::exception& e) {
-    state->set_native_error(NativeError::Cuda, rt_->label + ": " + e.what());
+    state->set_native_error(NativeError::Cuda, rt_.label + ": " + e.what());
     return true;  // nothing reached the GPU; the worker finishes the future
   }
   // Non-owning: the Python future the completion keeps holds the state.
@@ -353,7 +352,7 @@ py::object make_python_future(LaneRuntime& rt, std::shared_ptr<FutureState> stat
   return py::reinterpret_steal<py::object>(f);
 }
 
-std::unique_ptr<TaskBody> make_python_task(std::shared_ptr<LaneRuntime> rt, py::object fn,
+std::unique_ptr<TaskBody> make_python_task(LaneRuntime& rt, py::object fn,
                                            py::tuple args, py::object kwargs, py::object future,
                                            bool tracing) {
   std::string label;
@@ -362,14 +361,14 @@ std::unique_ptr<TaskBody> make_python_task(std::shared_ptr<LaneRuntime> rt, py::
     label = name.is_none() ? py::str(py::type::of(fn).attr("__name__")).cast<std::string>()
                            : name.cast<std::string>();
   }
-  return std::make_unique<PythonTask>(std::move(rt), std::move(fn), std::move(args),
+  return std::make_unique<PythonTask>(rt, std::move(fn), std::move(args),
                                       std::move(kwargs), std::move(future),
                                       TorchSnapshot::capture(), std::move(label));
 }
 
-std::unique_ptr<TaskBody> make_graph_task(std::shared_ptr<LaneRuntime> rt, uintptr_t graph_exec,
+std::unique_ptr<TaskBody> make_graph_task(LaneRuntime& rt, uintptr_t graph_exec,
                                           py::object keepalive, py::object future) {
-  return std::make_unique<GraphTask>(std::move(rt), graph_exec, std::move(keepalive),
+  return std::make_unique<GraphTask>(rt, graph_exec, std::move(keepalive),
                                      std::move(future));
 }
 

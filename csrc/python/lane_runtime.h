@@ -76,11 +76,14 @@ class LaneRuntime : public Interpreter {
 pybind11::object make_python_future(LaneRuntime& rt, std::shared_ptr<FutureState> state,
                                     pybind11::handle lane);
 
-std::unique_ptr<TaskBody> make_python_task(std::shared_ptr<LaneRuntime> rt, pybind11::object fn,
+// Task bodies refer to their lane's runtime without owning it: the lane owns it and
+// outlives every task it queues, and an atomic reference count per task is a cache
+// line shared by the submitting thread and the worker.
+std::unique_ptr<TaskBody> make_python_task(LaneRuntime& rt, pybind11::object fn,
                                            pybind11::tuple args, pybind11::object kwargs,
                                            pybind11::object future, bool tracing);
 
-std::unique_ptr<TaskBody> make_graph_task(std::shared_ptr<LaneRuntime> rt, uintptr_t graph_exec,
+std::unique_ptr<TaskBody> make_graph_task(LaneRuntime& rt, uintptr_t graph_exec,
                                           pybind11::object keepalive, pybind11::object future);
 
 /// Wakes the Python future's waiters and runs its callbacks (Future._notify). Entered.
