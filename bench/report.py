@@ -185,8 +185,9 @@ def plot(
     elif not panels:
         axes[0].text(0.5, 0.5, "nothing measured", ha="center", va="center")
         axes[0].axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    # Leave the top half inch to the title; "tight" keeps long row labels in the image.
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
