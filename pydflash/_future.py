@@ -33,6 +33,7 @@ class Future(C.FutureBase, concurrent.futures.Future):
     # --- what the stdlib's wait()/as_completed() use --------------------------------
     @property
     def _condition(self) -> threading.Condition:
+        self._check_not_orphaned()  # a forked child must not wait on the parent's lanes
         if self._cond is None:
             self._mark_observed()
             self._cond = threading.Condition()

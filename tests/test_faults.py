@@ -369,7 +369,7 @@ def test_forked_child_gets_clear_errors_and_can_make_its_own_dispatcher(run_pyth
     done = run_python(
         textwrap.dedent(
             """
-            import os, threading, warnings, pydflash
+            import concurrent.futures, os, threading, warnings, pydflash
             d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
             gate = threading.Event()
             pending = d.submit(gate.wait)
@@ -385,7 +385,10 @@ def test_forked_child_gets_clear_errors_and_can_make_its_own_dispatcher(run_pyth
                     for what, call in [("submit", lambda: d.submit(int)),
                                        ("lane submit", lambda: d.lanes[1].submit(int)),
                                        ("pending result", lambda: pending.result()),
-                                       ("pending exception", lambda: pending.exception())]:
+                                       ("pending exception", lambda: pending.exception()),
+                                       ("pending wait", lambda: concurrent.futures.wait([pending])),
+                                       ("pending as_completed",
+                                        lambda: next(concurrent.futures.as_completed([pending])))]:
                         try:
                             call()
                             print("child", what, "no error", flush=True)
@@ -418,7 +421,7 @@ def test_forked_child_gets_clear_errors_and_can_make_its_own_dispatcher(run_pyth
             r"be used in a forked child \(pid \d+\); create a new Dispatcher in the child",
             out,
         ), out
-    for what in ("pending result", "pending exception"):
+    for what in ("pending result", "pending exception", "pending wait", "pending as_completed"):
         assert re.search(
             rf"child {what} RuntimeError: this future's task was queued on pydflash lane 0 \(cpu\) "
             r"before a fork and cannot finish in the forked child",

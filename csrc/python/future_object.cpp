@@ -140,6 +140,14 @@ PyObject* cancel_native(PyObject* self, PyObject*) {
   return PyBool_FromLong(self_of(self)->state->try_cancel());
 }
 
+// Raises in a forked child for a pending future of the parent's lanes: the stdlib's
+// wait() and as_completed() take `_condition` first, and would otherwise wait forever.
+PyObject* check_not_orphaned(PyObject* self, PyObject*) {
+  auto* f = self_of(self);
+  if (in_forked_child && !f->state->done() && orphaned_by_fork(f)) return nullptr;
+  Py_RETURN_NONE;
+}
+
 PyObject* mark_observed(PyObject* self, PyObject*) {
   self_of(self)->state->mark_observed();
   Py_RETURN_NONE;
@@ -184,6 +192,7 @@ PyMethodDef methods[] = {
     {"running", running, METH_NOARGS, nullptr},
     {"_cancel_native", cancel_native, METH_NOARGS, nullptr},
     {"_mark_observed", mark_observed, METH_NOARGS, nullptr},
+    {"_check_not_orphaned", check_not_orphaned, METH_NOARGS, nullptr},
     {nullptr, nullptr, 0, nullptr}};
 
 PyGetSetDef getset[] = {
