@@ -15,6 +15,7 @@ PYDFLASH_COMPILE_TIMEOUT (seconds) sets the default wait limit; unset waits fore
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from typing import Any, Callable, TypeVar
@@ -45,7 +46,18 @@ def run(
     if slot is not None and not isinstance(slot, str):
         raise TypeError(f"expected slot as a str or None, got {type(slot).__name__}")
     label = threading.current_thread().name
-    return C.compile_queue_run(key, _noting(key, label, fn), slot or "", label, timeout)
+    try:
+        return C.compile_queue_run(key, _noting(key, label, fn), slot or "", label, timeout)
+    except Exception as exc:
+        # The holder's exception object is shared by every caller of the key: each
+        # raises its own copy, so what one caller adds (a lane names itself) stays its own.
+        mine = _own_copy(exc)
+        if mine is exc:
+            raise
+        try:
+            raise mine from exc.__cause__
+        finally:
+            mine = exc = None  # break the frame -> exception -> frame cycle
 
 
 def _noting(key: str, label: str, fn: Callable[[], T]) -> Callable[[], T]:
@@ -58,6 +70,19 @@ def _noting(key: str, label: str, fn: Callable[[], T]) -> Callable[[], T]:
             raise
 
     return work
+
+
+def _own_copy(exc: Exception) -> Exception:
+    """A copy of `exc` with its notes and traceback; `exc` itself when its type cannot
+    be copied."""
+    try:
+        mine = copy.copy(exc)
+    except Exception:
+        return exc
+    if type(mine) is not type(exc):
+        return exc
+    mine.__notes__ = list(getattr(exc, "__notes__", ()))  # copy.copy shares the list
+    return mine.with_traceback(exc.__traceback__)
 
 
 def stats() -> dict[str, Any]:

@@ -96,6 +96,29 @@ def test_the_holders_exception_is_raised_in_every_waiter():
     assert compile_queue.run(key, lambda: 3) == 3
 
 
+def test_each_waiter_gets_its_own_copy_of_the_holders_exception():
+    key = fresh_key("fails-apart")
+
+    def tune():
+        eventually(lambda: waiters(key) == THREADS - 1, "all callers waiting")
+        raise KeyError("bad config")
+
+    def call(i):
+        try:
+            compile_queue.run(key, tune, timeout=60)
+        except KeyError as exc:
+            exc.add_note(f"seen by caller {i}")  # as a lane adds its name
+            raise
+
+    errors = [value for kind, value in run_threads(THREADS, call)]
+    assert len({id(e) for e in errors}) == THREADS
+    for error in errors:
+        assert type(error) is KeyError and error.args == ("bad config",)
+        assert [n for n in error.__notes__ if n.startswith("seen by")] == [error.__notes__[-1]]
+        assert sum("holding" in note for note in error.__notes__) == 1
+        assert error.__traceback__ is not None
+
+
 def test_a_slot_serves_its_callers_in_arrival_order():
     release = threading.Event()
     order: list[int] = []
@@ -250,7 +273,8 @@ def test_a_wait_that_would_deadlock_raises():
         compile_queue.run(a_key, a_work, slot="cuda:9")
     b.join()
     assert "thread B waiting for the cuda:9 slot" in str(info.value)
-    assert b_errors and b_errors[0] is info.value
+    # A waited on b's key: it raises (its own copy of) B's error.
+    assert b_errors and type(b_errors[0]) is type(info.value) and str(b_errors[0]) == str(info.value)
 
 
 def test_many_threads_many_keys_stay_single_flight():
