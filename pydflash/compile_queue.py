@@ -36,7 +36,7 @@ def run(
     key: str, fn: Callable[[], T], *, slot: str | None = None, timeout: float | None = None
 ) -> T:
     """Runs fn() as the holder of `key`, or waits for the current holder and returns its
-    result (or raises its exception). `slot`: a resource held exclusively while fn runs,
+    result (or raises a copy of its exception, one per caller). `slot`: a resource held exclusively while fn runs,
     e.g. `slot_for_device(0)`. `timeout`: seconds to wait before raising
     pydflash.CompileQueueTimeout (default: `get_timeout()`)."""
     if not isinstance(key, str) or not key:
