@@ -91,6 +91,15 @@ def double_plus_one(x):
     return x * 2 + 1
 
 
+def run_in_threads(count, body):
+    """body(k) on `count` threads at once; returns when all have finished."""
+    workers = [threading.Thread(target=body, args=(k,)) for k in range(count)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+
+
 def make_captured(lane, native=True, shape=(4, 3)):
     static_in = torch.zeros(shape)
     static_out = torch.zeros(shape)
@@ -202,11 +211,7 @@ def test_concurrent_runs_each_see_their_own_inputs(cpu_lane, fake_graph_type, na
             if not torch.equal(out, x * 2 + 1):
                 wrong.append((k, i))
 
-    workers = [threading.Thread(target=caller, args=(k,)) for k in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    run_in_threads(threads, caller)
     assert wrong == []
 
 
@@ -428,11 +433,7 @@ def test_gpu_concurrent_runs_with_clone(gpu_lane):
             if not torch.allclose(out, expected[k]):
                 wrong.append((k, i))
 
-    workers = [threading.Thread(target=caller, args=(k,)) for k in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    run_in_threads(threads, caller)
     assert wrong == []
 
 

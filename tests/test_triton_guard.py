@@ -798,15 +798,16 @@ def _child(case: str, guarded: bool) -> dict:
     def grid(n):
         return lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
 
-    def call_accumulate(n: int, seed: int) -> str | None:
-        """Positional launch on fresh tensors; returns what was wrong, if anything."""
+    def call_accumulate(n: int, seed: int, kernel=accumulate) -> str | None:
+        """Positional launch of `kernel` (accumulate's body) on fresh tensors; returns
+        what was wrong, if anything."""
         g = torch.Generator().manual_seed(seed)
         x = torch.randint(-50, 50, (n,), generator=g).float()
         acc0 = torch.randint(-50, 50, (n,), generator=g).float()
         acc, out = acc0.clone(), torch.zeros(n)
         expected.x = x
         try:
-            accumulate[grid(n)](x, acc, out, n)
+            kernel[grid(n)](x, acc, out, n)
         finally:
             expected.x = None
         if not torch.equal(acc, acc0 + x):
@@ -977,16 +978,7 @@ def _child(case: str, guarded: bool) -> dict:
         )
 
         def call_sub(n, seed):
-            g = torch.Generator().manual_seed(seed)
-            x = torch.randint(-50, 50, (n,), generator=g).float()
-            acc0 = torch.randint(-50, 50, (n,), generator=g).float()
-            acc, out = acc0.clone(), torch.zeros(n)
-            expected.x = x
-            try:
-                cached_like[grid(n)](x, acc, out, n)
-            finally:
-                expected.x = None
-            return None if torch.equal(acc, acc0 + x) and torch.equal(out, 2 * x) else f"n={n}"
+            return call_accumulate(n, seed, kernel=cached_like)
 
         guarded_call("main", call_sub, 64, 0)
         forced_pair(
