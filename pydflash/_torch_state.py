@@ -29,7 +29,10 @@ def call_in_state(state: tuple, fn: Callable[..., Any], args: tuple, kwargs: dic
     inference, autocast, cache = state
     with contextlib.ExitStack() as stack:
         if inference:
+            # The caller's grad mode is already set; entering inference mode turns it off.
+            grad = torch.is_grad_enabled()
             stack.enter_context(torch.inference_mode())
+            stack.enter_context(torch.set_grad_enabled(grad))
         for device_type, dtype in autocast:
             stack.enter_context(
                 torch.autocast(device_type, dtype=dtype, enabled=True, cache_enabled=cache)

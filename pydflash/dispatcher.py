@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import functools
 import os
 import warnings
 import weakref
@@ -48,12 +47,8 @@ class Dispatcher(concurrent.futures.Executor):
         self._lanes = [Lane(i, d, spin_us=spin_us) for i, d in enumerate(parsed)]
         if trace:
             self.set_tracing(True)
-        # The hot path: a C builtin picks the least-busy lane (csrc/python/bind_lane.cpp).
-        self.submit = functools.partial(
-            C.submit_least_busy,
-            tuple(lane._native for lane in self._lanes),
-            tuple(self._lanes),
-        )
+        # The hot path: a native callable picks the least-busy lane (csrc/python/bind_lane.cpp).
+        self.submit = C.Submitter(tuple(lane._native for lane in self._lanes), tuple(self._lanes))
         _live.add(self)
         # Dropped without shutdown: let queued work finish, then let the workers go.
         weakref.finalize(self, _shutdown_lanes, list(self._lanes), False, False)
@@ -81,7 +76,7 @@ class Dispatcher(concurrent.futures.Executor):
         """Runs fn(*args, **kwargs) on the least-busy lane (fewest tasks queued, running
         or on the GPU). (Replaced per instance by the native submit.)"""
         natives = tuple(lane._native for lane in self._lanes)
-        return C.submit_least_busy(natives, tuple(self._lanes), fn, *args, **kwargs)
+        return C.Submitter(natives, tuple(self._lanes))(fn, *args, **kwargs)
 
     def warmup(self, fn: Callable[..., Any], inputs_per_lane: Iterable[tuple | None]) -> list[Any]:
         """Runs fn(*inputs) on every lane at once, with the Triton guard on, so that the

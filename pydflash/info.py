@@ -41,6 +41,8 @@ def build_info() -> dict[str, Any]:
         "torch": _version_of("torch"),
         "triton": _version_of("triton"),
         "flash_linear_attention": _version_of("flash-linear-attention"),
+        # How a submit reads the caller's grad mode, inference mode and autocast.
+        "torch_state_reader": C.torch_state_reader(),
     }
     if count and "torch" in sys.modules:
         import torch

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 from typing import Any, Callable
 
 from ._future import Future
@@ -23,8 +22,8 @@ class Lane(concurrent.futures.Executor):
     def __init__(self, index: int, device: int, *, spin_us: float = DEFAULT_SPIN_US) -> None:
         self._native = C.Lane(index, device, f"lane {index} ({describe(device)})", Future, spin_us)
         self._torch_streams: tuple[Any, Any] | None = None
-        # The hot path: a C builtin, no Python frame (csrc/python/bind_lane.cpp).
-        self.submit = functools.partial(C.submit, self._native, self)
+        # The hot path: a native callable, no Python frame (csrc/python/bind_lane.cpp).
+        self.submit = C.Submitter((self._native,), (self,))
 
     # --- identity -------------------------------------------------------------------
     @property
@@ -80,7 +79,7 @@ class Lane(concurrent.futures.Executor):
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         """Queues fn(*args, **kwargs) on this lane. (Replaced per instance by the
         native submit; kept for the signature and docs.)"""
-        return C.submit(self._native, self, fn, *args, **kwargs)
+        return C.Submitter((self._native,), (self,))(fn, *args, **kwargs)
 
     def submit_graph(self, graph: Any) -> Future:
         """Launches a captured CUDA graph from the native worker without the GIL. The

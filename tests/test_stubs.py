@@ -22,7 +22,7 @@ def stub_names():
                 n.name if isinstance(n, ast.FunctionDef) else n.target.id
                 for n in node.body
                 if isinstance(n, (ast.FunctionDef, ast.AnnAssign))
-            } - {"__init__"}
+            } - {"__init__", "__call__"}
     return names, members
 
 

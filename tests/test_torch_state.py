@@ -1,10 +1,14 @@
 """The caller's torch state at submit is the task's state on the worker."""
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
 
 import pydflash
+from pydflash import _C
 
 torch = pytest.importorskip("torch")
 
@@ -80,3 +84,24 @@ def test_state_of_the_submitting_thread_not_the_main_thread(lane):
     t.join()
     assert seen == [False]
     assert lane.submit(torch.is_grad_enabled).result() is True
+
+
+def test_inference_mode_with_grad_enabled_inside_is_carried(lane):
+    with torch.inference_mode(), torch.enable_grad():
+        inside = lane.submit(state).result()
+    assert inside[:2] == (True, True)
+
+
+def test_the_reader_in_use():
+    # Native unless told otherwise: a torch whose libraries lack the thread-local
+    # accessors would fall back to Python silently, and this says so.
+    expected = "python" if os.environ.get("PYDFLASH_TORCH_STATE") == "python" else "native"
+    assert _C.torch_state_reader() == expected
+
+
+@pytest.mark.skipif(os.environ.get("PYDFLASH_TORCH_STATE") == "python", reason="already the fallback")
+def test_the_python_fallback_carries_the_same_state():
+    env = dict(os.environ, PYDFLASH_TORCH_STATE="python")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr

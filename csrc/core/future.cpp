@@ -16,7 +16,6 @@ bool FutureState::try_start() {
 bool FutureState::try_cancel() {
   auto expected = FutureStatus::Pending;
   if (!status_.compare_exchange_strong(expected, FutureStatus::Cancelled)) return false;
-  end_ns = now_ns();
   publish();
   return true;
 }
@@ -26,7 +25,6 @@ bool FutureState::cancel() { return try_cancel() || status() == FutureStatus::Ca
 bool FutureState::finish() {
   auto expected = FutureStatus::Running;
   PYDFLASH_INTERNAL_ASSERT(status_.compare_exchange_strong(expected, FutureStatus::Finished));
-  end_ns = now_ns();
   return observed();
 }
 

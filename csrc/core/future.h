@@ -84,10 +84,11 @@ class FutureState {
   void* event() const { return event_.get(); }
   void set_event(std::shared_ptr<void> event) { event_ = std::move(event); }
 
-  /// Wall-clock span of the task, for stats and traces.
-  std::atomic<int64_t> submit_ns{0};
-  std::atomic<int64_t> start_ns{0};
-  std::atomic<int64_t> end_ns{0};
+  /// When the task was queued and started, for stats and traces. Plain fields: the
+  /// submitter writes submit_ns before the queue hands the task over, and only the
+  /// worker touches them afterwards.
+  int64_t submit_ns = 0;
+  int64_t start_ns = 0;
 
  private:
   const uint64_t id_;

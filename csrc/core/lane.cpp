@@ -25,6 +25,13 @@ int current_fork_generation() {
   return fork_generation.load(std::memory_order_relaxed);
 }
 
+// For counters only the worker writes: a plain load and store instead of a locked
+// read-modify-write, which readers on other threads still see whole.
+template <typename T>
+void add_single_writer(std::atomic<T>& counter, T delta) {
+  counter.store(counter.load(std::memory_order_relaxed) + delta, std::memory_order_relaxed);
+}
+
 }  // namespace
 
 // Events outlive neither the need nor the process: futures hold them through a
@@ -116,7 +123,7 @@ void Lane::post_internal(std::unique_ptr<TaskBody> body) {
 }
 
 void Lane::device_work_finished() {
-  completed_.fetch_add(1, std::memory_order_relaxed);
+  add_single_writer<uint64_t>(completed_, 1);
   unfinished_.fetch_sub(1, std::memory_order_relaxed);
   if (on_device_.fetch_sub(1) == 1) queue_.wake();
 }
@@ -293,11 +300,10 @@ void Lane::run_one(Task& task) {
   }
   running_task_.store(true, std::memory_order_relaxed);
   future->start_ns = now_ns();
-  queue_wait_ns_.fetch_add(future->start_ns.load() - future->submit_ns.load(),
-                           std::memory_order_relaxed);
+  add_single_writer(queue_wait_ns_, future->start_ns - future->submit_ns);
   const bool complete = body->run(*this, future.get());
   const int64_t end = now_ns();
-  busy_ns_.fetch_add(end - future->start_ns.load(), std::memory_order_relaxed);
+  add_single_writer(busy_ns_, end - future->start_ns);
   running_task_.store(false, std::memory_order_relaxed);
   if (trace) {
     if (is_gpu()) {
@@ -316,7 +322,7 @@ void Lane::run_one(Task& task) {
     destroy();  // device work: the body handed what it must keep to its completion
     return;
   }
-  completed_.fetch_add(1, std::memory_order_relaxed);
+  add_single_writer<uint64_t>(completed_, 1);
   unfinished_.fetch_sub(1, std::memory_order_relaxed);
   if (future->finish()) {
     enter();

@@ -162,7 +162,8 @@ class Lane : public std::enable_shared_from_this<Lane> {
   // Both. Submitted and not yet finished or cancelled: what load() reports. Counted at
   // submit, so a task the worker has popped but not yet started still counts.
   alignas(64) std::atomic<int64_t> unfinished_{0};
-  // The worker (and device completions):
+  // The worker (completed_, busy_ns_ and queue_wait_ns_ only; device completions are
+  // counted on it too):
   alignas(64) std::atomic<bool> running_task_{false};
   std::atomic<int64_t> on_device_{0};
   std::atomic<uint64_t> completed_{0}, cancelled_{0};

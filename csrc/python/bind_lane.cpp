@@ -48,78 +48,126 @@ PyObject* submit_to(PyLane& l, PyObject* owner, PyObject* const* args, Py_ssize_
   return nullptr;
 }
 
-bool check_fn_given(Py_ssize_t nargs, Py_ssize_t fixed) {
-  if (nargs > fixed) return true;
-  PyErr_SetString(PyExc_TypeError, "submit() missing the callable to run");
-  return false;
-}
-
-// The hot paths are METH_FASTCALL builtins, so a submit runs no Python frame and no
-// pybind11 overload resolution; pydflash.Lane and Dispatcher bind them with
-// functools.partial.
-// _C.submit(native_lane, owner, fn, /, *args, **kwargs)
-PyObject* submit(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
-  if (!check_fn_given(nargs, 2)) return nullptr;
-  PyLane* lane;
-  try {
-    lane = &py::handle(args[0]).cast<PyLane&>();
-  } catch (...) {
-    set_python_error(std::current_exception());
-    return nullptr;
-  }
-  return submit_to(*lane, args[1], args + 2, nargs - 2, kwnames);
-}
-
 // The index of the lane with the fewest tasks queued, running or on the device (ties go
 // to the first), or -1 when there is none; `open_only` skips lanes already shut down.
-Py_ssize_t least_busy(PyObject* native_lanes, bool open_only) {
-  auto lanes = py::handle(native_lanes).cast<py::tuple>();
+Py_ssize_t least_busy(const std::vector<PyLane*>& lanes, bool open_only) {
   Py_ssize_t best = -1;
   uint64_t best_load = UINT64_MAX;
-  for (Py_ssize_t i = 0; i < static_cast<Py_ssize_t>(lanes.size()); ++i) {
-    auto& l = lanes[i].cast<PyLane&>();
-    if (open_only && l.lane->closed()) continue;
-    const uint64_t load = l.lane->load();
+  for (size_t i = 0; i < lanes.size(); ++i) {
+    if (open_only && lanes[i]->lane->closed()) continue;
+    const uint64_t load = lanes[i]->lane->load();
     if (best < 0 || load < best_load) {
-      best = i;
+      best = static_cast<Py_ssize_t>(i);
       best_load = load;
     }
   }
   return best;
 }
 
-// _C.submit_least_busy(native_lanes, owners, fn, /, *args, **kwargs): to the least busy lane.
-PyObject* submit_least_busy(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
-  if (!check_fn_given(nargs, 2)) return nullptr;
-  auto lane_at = [&](Py_ssize_t i) -> PyLane& {
-    return py::handle(PyTuple_GET_ITEM(args[0], i)).cast<PyLane&>();
-  };
+// _C.Submitter(native_lanes, owners): the hot path of Lane.submit (one lane) and
+// Dispatcher.submit (the least busy of several). A vectorcall object that holds its
+// lanes' native pointers, so a submit runs no Python frame, no argument re-packing
+// and no pybind11 cast.
+struct Submitter {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  PyObject* natives;  // tuple of _C.Lane, kept alive for `lanes`
+  PyObject* owners;   // tuple of pydflash.Lane, one per native lane: the futures' lane
+  std::vector<PyLane*> lanes;
+};
+
+PyObject* submit_with(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* s = reinterpret_cast<Submitter*>(self);
+  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  if (nargs < 1) {
+    PyErr_SetString(PyExc_TypeError, "submit() missing the callable to run");
+    return nullptr;
+  }
+  if (s->lanes.size() == 1) return submit_to(*s->lanes[0], PyTuple_GET_ITEM(s->owners, 0), args, nargs, kwnames);
   auto submit_at = [&](Py_ssize_t i) {
-    return submit_to(lane_at(i), PyTuple_GET_ITEM(args[1], i), args + 2, nargs - 2, kwnames);
+    return submit_to(*s->lanes[i], PyTuple_GET_ITEM(s->owners, i), args, nargs, kwnames);
   };
+  const Py_ssize_t best = least_busy(s->lanes, /*open_only=*/false);
+  PyObject* future = submit_at(best);
+  if (future != nullptr || !s->lanes[best]->lane->closed()) return future;
+  // A lane shut down on its own is idle, so it looks least busy: try the open ones.
+  const Py_ssize_t open = least_busy(s->lanes, /*open_only=*/true);
+  if (open < 0) return nullptr;
+  PyErr_Clear();
+  return submit_at(open);
+}
+
+PyObject* submitter_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  PyObject *natives, *owners;
+  static const char* names[] = {"native_lanes", "owners", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!:Submitter", const_cast<char**>(names),
+                                   &PyTuple_Type, &natives, &PyTuple_Type, &owners))
+    return nullptr;
+  if (PyTuple_GET_SIZE(natives) == 0 || PyTuple_GET_SIZE(natives) != PyTuple_GET_SIZE(owners)) {
+    PyErr_SetString(PyExc_ValueError, "expected one owner per native lane, and at least one lane");
+    return nullptr;
+  }
+  std::vector<PyLane*> lanes;
   try {
-    const Py_ssize_t best = least_busy(args[0], /*open_only=*/false);
-    PYDFLASH_INTERNAL_ASSERT(best >= 0);
-    PyObject* future = submit_at(best);
-    if (future != nullptr || !lane_at(best).lane->closed()) return future;
-    // A lane shut down on its own is idle, so it looks least busy: try the open ones.
-    const Py_ssize_t open = least_busy(args[0], /*open_only=*/true);
-    if (open < 0) return nullptr;
-    PyErr_Clear();
-    return submit_at(open);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(natives); ++i)
+      lanes.push_back(&py::handle(PyTuple_GET_ITEM(natives, i)).cast<PyLane&>());
   } catch (...) {
     set_python_error(std::current_exception());
     return nullptr;
   }
+  auto* s = reinterpret_cast<Submitter*>(type->tp_alloc(type, 0));
+  if (s == nullptr) return nullptr;
+  s->vectorcall = submit_with;
+  new (&s->lanes) std::vector<PyLane*>(std::move(lanes));
+  Py_INCREF(natives);
+  s->natives = natives;
+  Py_INCREF(owners);
+  s->owners = owners;
+  return reinterpret_cast<PyObject*>(s);
 }
 
-PyMethodDef submit_defs[] = {
-    {"submit", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(submit)),
-     METH_FASTCALL | METH_KEYWORDS, "submit(native_lane, owner, fn, /, *args, **kwargs) -> Future"},
-    {"submit_least_busy",
-     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(submit_least_busy)),
-     METH_FASTCALL | METH_KEYWORDS,
-     "submit_least_busy(native_lanes, owners, fn, /, *args, **kwargs) -> Future"}};
+int submitter_traverse(PyObject* self, visitproc visit, void* arg) {
+  auto* s = reinterpret_cast<Submitter*>(self);
+  Py_VISIT(s->natives);
+  Py_VISIT(s->owners);
+  return 0;
+}
+
+int submitter_clear(PyObject* self) {
+  auto* s = reinterpret_cast<Submitter*>(self);
+  s->lanes.clear();  // the pointers die with `natives`
+  Py_CLEAR(s->natives);
+  Py_CLEAR(s->owners);
+  return 0;
+}
+
+void submitter_dealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  submitter_clear(self);
+  reinterpret_cast<Submitter*>(self)->lanes.~vector();
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyTypeObject SubmitterType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+void add_submitter_type(PyObject* module) {
+  SubmitterType.tp_name = "pydflash._C.Submitter";
+  SubmitterType.tp_basicsize = sizeof(Submitter);
+  SubmitterType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL;
+  SubmitterType.tp_doc =
+      "Submitter(native_lanes, owners)(fn, /, *args, **kwargs) -> Future: queues fn on the "
+      "lane (or, with several, the least busy lane).";
+  SubmitterType.tp_new = submitter_new;
+  SubmitterType.tp_dealloc = submitter_dealloc;
+  SubmitterType.tp_traverse = submitter_traverse;
+  SubmitterType.tp_clear = submitter_clear;
+  SubmitterType.tp_vectorcall_offset = offsetof(Submitter, vectorcall);
+  SubmitterType.tp_call = PyVectorcall_Call;
+  if (PyType_Ready(&SubmitterType) < 0) throw py::error_already_set();
+  Py_INCREF(&SubmitterType);
+  if (PyModule_AddObject(module, "Submitter", reinterpret_cast<PyObject*>(&SubmitterType)) < 0)
+    throw py::error_already_set();
+}
 
 // Returns how many tasks this shutdown cancelled (those that still have a future).
 size_t finish_cancelled(std::vector<Task>& tasks) {
@@ -137,8 +185,12 @@ size_t finish_cancelled(std::vector<Task>& tasks) {
 
 void init_lane(py::module_& m) {
   add_future_type(m.ptr());
-  for (auto& def : submit_defs)
-    m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.ptr())));
+  add_submitter_type(m.ptr());
+
+  m.def("torch_state_reader", [] {
+    const char* reader = torch_state_reader();
+    return reader ? py::object(py::str(reader)) : py::object(py::none());
+  });
 
   py::class_<PyLane>(m, "Lane")
       .def(py::init([](int index, int device, std::string label, py::object future_type,

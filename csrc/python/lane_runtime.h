@@ -86,6 +86,10 @@ std::unique_ptr<TaskBody> make_python_task(LaneRuntime& rt, pybind11::object fn,
 std::unique_ptr<TaskBody> make_graph_task(LaneRuntime& rt, uintptr_t graph_exec,
                                           pybind11::object keepalive, pybind11::object future);
 
+/// How the caller's torch state is read and set: "native" (Note [Torch state without
+/// Python calls]), "python", or null before torch is imported. Entered.
+const char* torch_state_reader();
+
 /// Wakes the Python future's waiters and runs its callbacks (Future._notify). Entered.
 void notify_python_future(PyObject* future);
 
