@@ -68,7 +68,7 @@ bool FutureState::wait(double timeout_s, int64_t spin_ns, int64_t slice_ns,
     if (!got && interrupted && interrupted()) return false;
   }
   // Note [Finish, then publish]: give the producer a moment to let the interpreter go.
-  if (producer_in_interpreter_) {
+  if (producer_in_interpreter_ != nullptr) {
     const int64_t until = now_ns() + spin_ns;
     while (producer_in_interpreter_->load(std::memory_order_acquire) && now_ns() < until)
       std::this_thread::yield();

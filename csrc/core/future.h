@@ -47,18 +47,17 @@ class FutureState {
   void publish();
 
   /// Note [Finish, then publish]: a worker finishes a Python task while it holds the
-  /// GIL (so observers, who also hold it, see a consistent state) and publishes it,
-  /// waking wait(), after letting the GIL go when nothing else is queued. With more
-  /// queued it keeps the GIL and publishes at once; a waiter woken then polls (bounded)
-  /// until the producing worker has let go, so that it takes a free GIL instead of
-  /// going to sleep on a held one. Publication is never deferred past the task: a
-  /// later task on the same lane may itself wait for whoever waits on this one.
+  /// GIL (so observers, who also hold it, see a consistent state) and publishes it at
+  /// once, waking wait(); it lets the GIL go right after when nothing else is queued.
+  /// A woken waiter polls (bounded) until the producing worker has let go, so that it
+  /// takes a free GIL instead of going to sleep on a held one. Publication is never
+  /// deferred past the task: a later task on the same lane may itself wait for
+  /// whoever waits on this one.
   bool published() const { return published_.load(std::memory_order_acquire); }
 
-  /// The producing worker's "holds the interpreter" flag (see the Note above).
-  void set_producer_in_interpreter(std::shared_ptr<const std::atomic<bool>> flag) {
-    producer_in_interpreter_ = std::move(flag);
-  }
+  /// The producing worker's "holds the interpreter" flag (see the Note above). It lives
+  /// for the process; a stale reading only makes a waiter poll a little less or more.
+  void set_producer_in_interpreter(const std::atomic<bool>* flag) { producer_in_interpreter_ = flag; }
 
   /// Returns at once when done (the caller holds what the finisher held, so the
   /// outcome is visible); otherwise waits until published: spin_ns of polling first
@@ -95,7 +94,7 @@ class FutureState {
   std::atomic<FutureStatus> status_{FutureStatus::Pending};
   std::atomic<bool> observed_{false};
   std::atomic<bool> published_{false};
-  std::shared_ptr<const std::atomic<bool>> producer_in_interpreter_;
+  const std::atomic<bool>* producer_in_interpreter_ = nullptr;
   std::atomic<int> sleepers_{0};
   std::mutex mutex_;
   std::condition_variable cv_;

@@ -26,10 +26,23 @@ int current_fork_generation() {
 }
 
 // For counters only the worker writes: a plain load and store instead of a locked
-// read-modify-write, which readers on other threads still see whole.
+// read-modify-write, which readers on other threads still see whole. Release: see load().
 template <typename T>
 void add_single_writer(std::atomic<T>& counter, T delta) {
-  counter.store(counter.load(std::memory_order_relaxed) + delta, std::memory_order_relaxed);
+  counter.store(counter.load(std::memory_order_relaxed) + delta, std::memory_order_release);
+}
+
+// A lane's "holds the interpreter" flag, from a pool that lives for the process: a
+// future's waiter may read it after the lane is gone, and a future stores a plain
+// pointer, so a submit touches no reference count. Lanes beyond the pool share flags,
+// which costs a waiter at most a bounded poll.
+std::atomic<bool>& in_interpreter_flag() {
+  struct alignas(64) Flag {
+    std::atomic<bool> value{false};
+  };
+  static Flag flags[256];
+  static std::atomic<unsigned> next{0};
+  return flags[next.fetch_add(1, std::memory_order_relaxed) % 256].value;
 }
 
 }  // namespace
@@ -65,6 +78,7 @@ Lane::Lane(int index, int device, std::shared_ptr<Interpreter> interpreter, Lane
       fork_generation_(current_fork_generation()),
       interpreter_(std::move(interpreter)),
       options_(options),
+      in_interpreter_(in_interpreter_flag()),
       events_(std::make_shared<EventPool>()) {
   PYDFLASH_INTERNAL_ASSERT(interpreter_ != nullptr);
   events_->device = device;
@@ -98,22 +112,20 @@ void Lane::start() {
   thread_ = new std::thread([self] { self->worker_main(); });
 }
 
-std::shared_ptr<FutureState> Lane::new_future() {
+uint64_t Lane::take_id() {
   PYDFLASH_CHECK_STATE(!forked(), "this dispatcher was created in process ", owner_pid_,
                        " and cannot be used in a forked child (pid ", getpid(),
                        "); create a new Dispatcher in the child");
   PYDFLASH_CHECK_STATE(!queue_.closed(), "cannot submit to lane ", index_, " after shutdown");
-  return std::make_shared<FutureState>(next_id_.fetch_add(1, std::memory_order_relaxed));
+  return next_id_.fetch_add(1, std::memory_order_relaxed);
 }
 
 void Lane::submit(std::shared_ptr<FutureState> future, std::unique_ptr<TaskBody> body) {
   future->submit_ns = now_ns();
-  future->set_producer_in_interpreter(in_interpreter_);
+  future->set_producer_in_interpreter(&in_interpreter_);
   submitted_.fetch_add(1, std::memory_order_relaxed);
-  unfinished_.fetch_add(1, std::memory_order_relaxed);
   if (!queue_.push(Task{std::move(future), std::move(body)})) {
     submitted_.fetch_sub(1, std::memory_order_relaxed);
-    unfinished_.fetch_sub(1, std::memory_order_relaxed);
     throw StateError(detail::str("cannot submit to lane ", index_, " after shutdown"));
   }
 }
@@ -124,7 +136,6 @@ void Lane::post_internal(std::unique_ptr<TaskBody> body) {
 
 void Lane::device_work_finished() {
   add_single_writer<uint64_t>(completed_, 1);
-  unfinished_.fetch_sub(1, std::memory_order_relaxed);
   if (on_device_.fetch_sub(1) == 1) queue_.wake();
 }
 
@@ -142,8 +153,7 @@ std::vector<Task> Lane::shutdown(bool cancel) {
     // Queued futures are pending or already cancelled; only the ones cancelled here
     // are left for the caller to notify.
     if (!task.future->try_cancel()) task.future.reset();
-    cancelled_.fetch_add(1, std::memory_order_relaxed);
-    unfinished_.fetch_sub(1, std::memory_order_relaxed);
+    cancelled_.fetch_add(1, std::memory_order_release);
     cancelled.push_back(std::move(task));
   }
   return cancelled;
@@ -168,7 +178,12 @@ bool Lane::join(double timeout_s) {
 }
 
 uint64_t Lane::load() const {
-  return static_cast<uint64_t>(unfinished_.load(std::memory_order_relaxed));
+  // Finished first: a task counts as submitted before it can finish, so this never
+  // goes below zero.
+  const uint64_t ended =
+      completed_.load(std::memory_order_acquire) + cancelled_.load(std::memory_order_acquire);
+  const uint64_t submitted = submitted_.load(std::memory_order_relaxed);
+  return submitted > ended ? submitted - ended : 0;
 }
 
 LaneStats Lane::stats() const {
@@ -222,15 +237,17 @@ std::vector<TraceRecord> Lane::take_trace() {
 }
 
 void Lane::enter() {
-  if (!in_interpreter_->load(std::memory_order_relaxed)) {  // only this thread writes it
+  if (!entered_) {
     interpreter_->enter();
-    in_interpreter_->store(true, std::memory_order_release);
+    entered_ = true;
+    in_interpreter_.store(true, std::memory_order_release);
   }
 }
 
 void Lane::leave() {
-  if (in_interpreter_->load(std::memory_order_relaxed)) {
-    in_interpreter_->store(false, std::memory_order_release);
+  if (entered_) {
+    entered_ = false;
+    in_interpreter_.store(false, std::memory_order_release);
     interpreter_->leave();
   }
 }
@@ -287,8 +304,7 @@ void Lane::run_one(Task& task) {
   }
   if (!future->try_start()) {
     // Cancelled while queued; whoever cancelled it published and notified.
-    cancelled_.fetch_add(1, std::memory_order_relaxed);
-    unfinished_.fetch_sub(1, std::memory_order_relaxed);
+    cancelled_.fetch_add(1, std::memory_order_release);
     destroy();
     return;
   }
@@ -323,15 +339,14 @@ void Lane::run_one(Task& task) {
     return;
   }
   add_single_writer<uint64_t>(completed_, 1);
-  unfinished_.fetch_sub(1, std::memory_order_relaxed);
   if (future->finish()) {
     enter();
     body->notify(*future);
   }
-  destroy();
-  // Note [Finish, then publish].
-  if (queue_.size() == 0) leave();
+  // Note [Finish, then publish]. The body may hold the future's only owner: it goes last.
   future->publish();
+  destroy();
+  if (queue_.size() == 0) leave();
 }
 
 }  // namespace pydflash

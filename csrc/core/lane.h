@@ -97,9 +97,14 @@ class Lane : public std::enable_shared_from_this<Lane> {
   void* stream() const { return stream_; }
   void* copy_stream() const { return copy_stream_; }
 
-  /// A future for the next task (ids are per lane).
-  std::shared_ptr<FutureState> new_future();
-  /// Queues a task. Throws StateError after shutdown or in a forked child.
+  /// The id for the next task's future (ids are per lane). Throws StateError after
+  /// shutdown or in a forked child.
+  uint64_t take_id();
+  /// A future for the next task.
+  std::shared_ptr<FutureState> new_future() { return std::make_shared<FutureState>(take_id()); }
+  /// Queues a task. Throws StateError after shutdown or in a forked child. `future`
+  /// may be non-owning when the body keeps its owner alive until destroyed: the worker
+  /// does not touch it after destroying the body (Note [Finish, then publish]).
   void submit(std::shared_ptr<FutureState> future, std::unique_ptr<TaskBody> body);
   /// Queues internal work (a completion). Accepted during shutdown.
   void post_internal(std::unique_ptr<TaskBody> body);
@@ -136,7 +141,7 @@ class Lane : public std::enable_shared_from_this<Lane> {
  private:
   void worker_main();
   void run_one(Task& task);
-  /// Enter or leave the interpreter; in_interpreter_ says which the worker is in.
+  /// Enter or leave the interpreter; entered_ says which the worker is in.
   void enter();
   void leave();
 
@@ -150,18 +155,16 @@ class Lane : public std::enable_shared_from_this<Lane> {
   void* copy_stream_ = nullptr;
 
   TaskQueue<Task> queue_;
-  // Whether the worker holds the interpreter. Written by the worker only; futures read
-  // it (Note [Finish, then publish]).
-  std::shared_ptr<std::atomic<bool>> in_interpreter_ = std::make_shared<std::atomic<bool>>(false);
+  // Whether the worker holds the interpreter. Written by the worker only; futures' waiters
+  // read it (Note [Finish, then publish]), also after the lane is gone: see in_interpreter_flag().
+  std::atomic<bool>& in_interpreter_;
+  bool entered_ = false;  // the truth, on the worker thread only
   std::thread* thread_ = nullptr;  // leaked in a forked child: its thread does not exist there
   // Counters on three cache lines, by who writes them, so a submitting thread and the
   // worker do not take each other's line on every task.
-  // Submitters:
+  // Submitters. load() is submitted_ less completed_ and cancelled_.
   alignas(64) std::atomic<uint64_t> next_id_{1};
   std::atomic<uint64_t> submitted_{0};
-  // Both. Submitted and not yet finished or cancelled: what load() reports. Counted at
-  // submit, so a task the worker has popped but not yet started still counts.
-  alignas(64) std::atomic<int64_t> unfinished_{0};
   // The worker (completed_, busy_ns_ and queue_wait_ns_ only; device completions are
   // counted on it too):
   alignas(64) std::atomic<bool> running_task_{false};

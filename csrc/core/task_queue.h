@@ -23,9 +23,11 @@ class TaskQueue {
       std::lock_guard<std::mutex> lock(mutex_);
       if (closed_.load(std::memory_order_relaxed)) return false;
       items_.push_back(std::move(item));
-      size_.store(items_.size(), std::memory_order_seq_cst);
+      size_.store(items_.size(), std::memory_order_relaxed);
     }
-    if (sleeping_.load(std::memory_order_seq_cst)) cv_.notify_one();
+    // The consumer sets sleeping_ under the mutex before it waits, and this push took
+    // the mutex after: it sees the flag.
+    if (sleeping_.load(std::memory_order_relaxed)) cv_.notify_one();
     return true;
   }
 
@@ -36,12 +38,14 @@ class TaskQueue {
     // as soon as the lock is free.
     std::lock_guard<std::mutex> lock(mutex_);
     items_.push_back(std::move(item));
-    size_.store(items_.size(), std::memory_order_seq_cst);
+    size_.store(items_.size(), std::memory_order_relaxed);
     cv_.notify_one();
   }
 
+  /// A hint first, without the lock: a stale zero only defers the item to the next poll
+  /// or to pop_wait's check under the lock.
   bool try_pop(T& out) {
-    if (size_.load(std::memory_order_seq_cst) == 0) return false;
+    if (size_.load(std::memory_order_relaxed) == 0) return false;
     std::lock_guard<std::mutex> lock(mutex_);
     return pop_locked(out);
   }
@@ -56,9 +60,9 @@ class TaskQueue {
       std::this_thread::yield();
     }
     std::unique_lock<std::mutex> lock(mutex_);
-    sleeping_.store(true, std::memory_order_seq_cst);
+    sleeping_.store(true, std::memory_order_relaxed);
     cv_.wait(lock, [&] { return !items_.empty() || stop_locked(stop); });
-    sleeping_.store(false, std::memory_order_seq_cst);
+    sleeping_.store(false, std::memory_order_relaxed);
     return pop_locked(out);
   }
 
@@ -88,7 +92,7 @@ class TaskQueue {
     out.reserve(items_.size());
     for (auto& item : items_) out.push_back(std::move(item));
     items_.clear();
-    size_.store(0, std::memory_order_seq_cst);
+    size_.store(0, std::memory_order_relaxed);
     return out;
   }
 
@@ -97,7 +101,7 @@ class TaskQueue {
     if (items_.empty()) return false;
     out = std::move(items_.front());
     items_.pop_front();
-    size_.store(items_.size(), std::memory_order_seq_cst);
+    size_.store(items_.size(), std::memory_order_relaxed);
     return true;
   }
 

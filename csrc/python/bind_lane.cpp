@@ -36,9 +36,8 @@ PyObject* submit_to(PyLane& l, PyObject* owner, PyObject* const* args, Py_ssize_
       for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); ++i)
         PyDict_SetItem(kwargs.ptr(), PyTuple_GET_ITEM(kwnames, i), args[nargs + i]);
     }
-    auto state = l.lane->new_future();
-    py::object future = make_python_future(*l.rt, state, owner);
-    l.lane->submit(std::move(state),
+    py::object future = make_python_future(*l.rt, l.lane->take_id(), owner);
+    l.lane->submit(state_of(future.ptr()),
                    make_python_task(*l.rt, py::reinterpret_borrow<py::object>(fn), std::move(call_args),
                                     std::move(kwargs), future, l.lane->tracing()));
     return future.release().ptr();
@@ -219,9 +218,9 @@ void init_lane(py::module_& m) {
             PYDFLASH_CHECK_VALUE(l.lane->is_gpu(), "graphs run on GPU lanes; ", l.rt->label,
                                  " is a CPU lane");
             PYDFLASH_CHECK_VALUE(graph_exec != 0, "expected a captured graph, got a null handle");
-            auto state = l.lane->new_future();
-            py::object future = make_python_future(*l.rt, state, owner);
-            l.lane->submit(state, make_graph_task(*l.rt, graph_exec, std::move(keepalive), future));
+            py::object future = make_python_future(*l.rt, l.lane->take_id(), owner);
+            l.lane->submit(state_of(future.ptr()),
+                           make_graph_task(*l.rt, graph_exec, std::move(keepalive), future));
             return future;
           },
           py::arg("graph_exec"), py::arg("keepalive"), py::arg("owner"))

@@ -51,7 +51,7 @@ int clear(PyObject* self) {
 void dealloc(PyObject* self) {
   PyObject_GC_UnTrack(self);
   clear(self);
-  self_of(self)->state.~shared_ptr<FutureState>();
+  self_of(self)->state().~FutureState();
   Py_TYPE(self)->tp_free(self);
 }
 
@@ -88,7 +88,7 @@ bool wait_or_raise(FutureObject* f, PyObject* timeout_arg) {
   if (timeout == -2.0) return false;
   if (in_forked_child && orphaned_by_fork(f)) return false;
   try {
-    if (wait_interruptibly(*f->state, timeout)) return true;
+    if (wait_interruptibly(f->state(), timeout)) return true;
   } catch (py::error_already_set& e) {
     e.restore();
     return false;
@@ -105,9 +105,9 @@ PyObject* result(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObje
   auto* f = self_of(self);
   PyObject* timeout = nargs > 0 ? args[0] : nullptr;
   if (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) > 0) timeout = args[nargs];
-  if (!f->state->done() && !wait_or_raise(f, timeout)) return nullptr;
-  if (f->state->status() == FutureStatus::Finished && f->exception == nullptr &&
-      f->state->native_error() == NativeError::None) {
+  if (!f->state().done() && !wait_or_raise(f, timeout)) return nullptr;
+  if (f->state().status() == FutureStatus::Finished && f->exception == nullptr &&
+      f->state().native_error() == NativeError::None) {
     PyObject* r = f->result ? f->result : Py_None;
     Py_INCREF(r);
     return r;
@@ -117,7 +117,7 @@ PyObject* result(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObje
 
 PyObject* wait(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   auto* f = self_of(self);
-  if (!f->state->done() && !wait_or_raise(f, nargs > 0 ? args[0] : nullptr)) {
+  if (!f->state().done() && !wait_or_raise(f, nargs > 0 ? args[0] : nullptr)) {
     if (!PyErr_ExceptionMatches(PyExc_TimeoutError)) return nullptr;
     PyErr_Clear();
     Py_RETURN_FALSE;
@@ -125,52 +125,52 @@ PyObject* wait(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
-PyObject* done(PyObject* self, PyObject*) { return PyBool_FromLong(self_of(self)->state->done()); }
+PyObject* done(PyObject* self, PyObject*) { return PyBool_FromLong(self_of(self)->state().done()); }
 
 PyObject* cancelled(PyObject* self, PyObject*) {
-  return PyBool_FromLong(self_of(self)->state->status() == FutureStatus::Cancelled);
+  return PyBool_FromLong(self_of(self)->state().status() == FutureStatus::Cancelled);
 }
 
 PyObject* running(PyObject* self, PyObject*) {
-  return PyBool_FromLong(self_of(self)->state->status() == FutureStatus::Running);
+  return PyBool_FromLong(self_of(self)->state().status() == FutureStatus::Running);
 }
 
 // True only for the call that cancels: Future.cancel() notifies observers then.
 PyObject* cancel_native(PyObject* self, PyObject*) {
-  return PyBool_FromLong(self_of(self)->state->try_cancel());
+  return PyBool_FromLong(self_of(self)->state().try_cancel());
 }
 
 // Raises in a forked child for a pending future of the parent's lanes: the stdlib's
 // wait() and as_completed() take `_condition` first, and would otherwise wait forever.
 PyObject* check_not_orphaned(PyObject* self, PyObject*) {
   auto* f = self_of(self);
-  if (in_forked_child && !f->state->done() && orphaned_by_fork(f)) return nullptr;
+  if (in_forked_child && !f->state().done() && orphaned_by_fork(f)) return nullptr;
   Py_RETURN_NONE;
 }
 
 PyObject* mark_observed(PyObject* self, PyObject*) {
-  self_of(self)->state->mark_observed();
+  self_of(self)->state().mark_observed();
   Py_RETURN_NONE;
 }
 
 PyObject* get_state(PyObject* self, void*) {
-  PyObject* name = state_names[static_cast<int>(self_of(self)->state->status())];
+  PyObject* name = state_names[static_cast<int>(self_of(self)->state().status())];
   Py_INCREF(name);
   return name;
 }
 
 PyObject* get_status(PyObject* self, void*) {
-  return PyLong_FromLong(static_cast<int>(self_of(self)->state->status()));
+  return PyLong_FromLong(static_cast<int>(self_of(self)->state().status()));
 }
 
-PyObject* get_id(PyObject* self, void*) { return PyLong_FromUnsignedLongLong(self_of(self)->state->id()); }
+PyObject* get_id(PyObject* self, void*) { return PyLong_FromUnsignedLongLong(self_of(self)->state().id()); }
 
 PyObject* get_event(PyObject* self, void*) {
-  return PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(self_of(self)->state->event()));
+  return PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(self_of(self)->state().event()));
 }
 
 PyObject* get_native_error(PyObject* self, void*) {
-  const FutureState& s = *self_of(self)->state;
+  const FutureState& s = self_of(self)->state();
   if (s.native_error() == NativeError::None) Py_RETURN_NONE;
   return Py_BuildValue("(is)", static_cast<int>(s.native_error()), s.native_error_message().c_str());
 }
@@ -241,16 +241,21 @@ bool wait_interruptibly(FutureState& state, double timeout_s) {
   return finished;
 }
 
+std::shared_ptr<FutureState> state_of(PyObject* future) {
+  // Aliasing an empty owner: no reference count to update on either thread.
+  return std::shared_ptr<FutureState>(std::shared_ptr<FutureState>{}, &self_of(future)->state());
+}
+
 FutureObject* as_future(PyObject* obj) {
   return PyObject_TypeCheck(obj, &FutureBaseType) ? self_of(obj) : nullptr;
 }
 
-PyObject* new_future(PyObject* type, std::shared_ptr<FutureState> state, PyObject* lane) {
+PyObject* new_future(PyObject* type, uint64_t id, PyObject* lane) {
   auto* tp = reinterpret_cast<PyTypeObject*>(type);
   PyObject* obj = tp->tp_alloc(tp, 0);  // zeroed
   if (obj == nullptr) return nullptr;
   auto* f = self_of(obj);
-  new (&f->state) std::shared_ptr<FutureState>(std::move(state));
+  new (f->state_storage) FutureState(id);
   Py_INCREF(lane);
   f->lane = lane;
   return obj;

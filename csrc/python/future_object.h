@@ -6,6 +6,7 @@
 #include <Python.h>
 
 #include <memory>
+#include <new>
 
 #include "core/future.h"
 
@@ -13,20 +14,28 @@ namespace pydflash::python {
 
 struct FutureObject {
   PyObject_HEAD
-  std::shared_ptr<FutureState> state;
   PyObject* result;     // set by the worker
   PyObject* exception;  // set by the worker (with a note naming the lane)
   PyObject* lane;       // the pydflash.Lane that runs it
   PyObject* cond;       // threading.Condition, made when first observed
   PyObject* waiters;    // list, made on first use (concurrent.futures.wait)
   PyObject* callbacks;  // list of done callbacks
+  // The native state lives in the object, not beside it: one allocation per task, from
+  // Python's allocator. A queued task refers to it without owning it; its body owns the
+  // object. Raw storage keeps this struct standard-layout for the member table.
+  alignas(FutureState) unsigned char state_storage[sizeof(FutureState)];
+
+  FutureState& state() { return *std::launder(reinterpret_cast<FutureState*>(state_storage)); }
 };
 
 /// Readies the type and adds it to the module as FutureBase.
 void add_future_type(PyObject* module);
 
-/// A new instance of `type` (a Python subclass of FutureBase) owning `state`.
-PyObject* new_future(PyObject* type, std::shared_ptr<FutureState> state, PyObject* lane);
+/// A new instance of `type` (a Python subclass of FutureBase) for the task `id` of `lane`.
+PyObject* new_future(PyObject* type, uint64_t id, PyObject* lane);
+
+/// The native state of a Python future, for a task that does not own it.
+std::shared_ptr<FutureState> state_of(PyObject* future);
 
 FutureObject* as_future(PyObject* obj);
 

@@ -291,7 +291,7 @@ class GraphTask final : public TaskBody {
 
 struct GraphCompletion {
   Lane* lane;  // alive: its worker waits for device work before it exits
-  std::shared_ptr<FutureState> state;
+  FutureState* state;  // inside `future`, which this keeps alive
   PyObject* keepalive;
   PyObject* future;
   bool observed = false;
@@ -329,10 +329,7 @@ bool GraphTask::run(Lane& lane, FutureState* state) {
     state->set_native_error(NativeError::Cuda, rt_.label + ": " + e.what());
     return true;  // nothing reached the GPU; the worker finishes the future
   }
-  // Non-owning: the Python future the completion keeps holds the state.
-  auto* done = new GraphCompletion{
-      &lane, std::shared_ptr<FutureState>(std::shared_ptr<FutureState>{}, state), keepalive_,
-      future_};
+  auto* done = new GraphCompletion{&lane, state, keepalive_, future_};
   keepalive_ = future_ = nullptr;
   lane.device_work_started();
   try {
@@ -429,9 +426,8 @@ void notify_python_future(PyObject* future) {
   Py_XDECREF(r);
 }
 
-py::object make_python_future(LaneRuntime& rt, std::shared_ptr<FutureState> state,
-                              py::handle lane) {
-  PyObject* f = new_future(rt.future_type(), std::move(state), lane.ptr());
+py::object make_python_future(LaneRuntime& rt, uint64_t id, py::handle lane) {
+  PyObject* f = new_future(rt.future_type(), id, lane.ptr());
   if (f == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(f);
 }

@@ -72,9 +72,8 @@ class LaneRuntime : public Interpreter {
   bool torch_ready_ = false;
 };
 
-/// Creates the Python future for `state` (the future type's constructor).
-pybind11::object make_python_future(LaneRuntime& rt, std::shared_ptr<FutureState> state,
-                                    pybind11::handle lane);
+/// Creates the Python future for task `id` of `lane` (the future type's constructor).
+pybind11::object make_python_future(LaneRuntime& rt, uint64_t id, pybind11::handle lane);
 
 // Task bodies refer to their lane's runtime without owning it: the lane owns it and
 // outlives every task it queues, and an atomic reference count per task is a cache
