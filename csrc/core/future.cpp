@@ -5,8 +5,13 @@
 
 #include "core/clock.h"
 #include "core/error.h"
+#include "core/event_pool.h"
 
 namespace pydflash {
+
+FutureState::~FutureState() {
+  if (event_ != nullptr) event_pool::give(event_device_, event_);
+}
 
 bool FutureState::try_start() {
   auto expected = FutureStatus::Pending;

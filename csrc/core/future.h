@@ -21,6 +21,7 @@ enum class NativeError : int { None = 0, Cuda = 1, Runtime = 2 };
 class FutureState {
  public:
   explicit FutureState(uint64_t id) : id_(id) {}
+  ~FutureState();
   FutureState(const FutureState&) = delete;
   FutureState& operator=(const FutureState&) = delete;
 
@@ -78,10 +79,13 @@ class FutureState {
   NativeError native_error() const { return native_error_; }
   const std::string& native_error_message() const { return native_error_message_; }
 
-  /// CUDA event recorded on the lane's stream after the task (null on CPU lanes).
-  /// Shared so that it returns to the lane's pool when the last holder lets go.
-  void* event() const { return event_.get(); }
-  void set_event(std::shared_ptr<void> event) { event_ = std::move(event); }
+  /// CUDA event recorded on the lane's stream after the task (null on CPU lanes); it
+  /// goes back to its device's pool with the future.
+  void* event() const { return event_; }
+  void set_event(int device, void* event) {
+    event_device_ = device;
+    event_ = event;
+  }
 
   /// When the task was queued and started, for stats and traces. Plain fields: the
   /// submitter writes submit_ns before the queue hands the task over, and only the
@@ -100,7 +104,8 @@ class FutureState {
   std::condition_variable cv_;
   NativeError native_error_ = NativeError::None;
   std::string native_error_message_;
-  std::shared_ptr<void> event_;
+  void* event_ = nullptr;
+  int event_device_ = -1;
 };
 
 }  // namespace pydflash

@@ -7,6 +7,7 @@
 
 #include "core/clock.h"
 #include "core/error.h"
+#include "core/event_pool.h"
 #include "cuda/device_api.h"
 
 namespace pydflash {
@@ -47,30 +48,6 @@ std::atomic<bool>& in_interpreter_flag() {
 
 }  // namespace
 
-// Events outlive neither the need nor the process: futures hold them through a
-// shared_ptr whose deleter returns them here for reuse.
-struct Lane::EventPool {
-  int device;
-  std::mutex mutex;
-  std::vector<void*> free;
-
-  void* take() {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      if (!free.empty()) {
-        void* e = free.back();
-        free.pop_back();
-        return e;
-      }
-    }
-    return device::create_event(device, /*timing=*/false);
-  }
-  void give(void* e) {
-    std::lock_guard<std::mutex> lock(mutex);
-    free.push_back(e);
-  }
-};
-
 Lane::Lane(int index, int device, std::shared_ptr<Interpreter> interpreter, LaneOptions options)
     : index_(index),
       device_(device),
@@ -78,10 +55,8 @@ Lane::Lane(int index, int device, std::shared_ptr<Interpreter> interpreter, Lane
       fork_generation_(current_fork_generation()),
       interpreter_(std::move(interpreter)),
       options_(options),
-      in_interpreter_(in_interpreter_flag()),
-      events_(std::make_shared<EventPool>()) {
+      in_interpreter_(in_interpreter_flag()) {
   PYDFLASH_INTERNAL_ASSERT(interpreter_ != nullptr);
-  events_->device = device;
   if (is_gpu()) {
     // Note [CUDA objects at exit]: created once, never destroyed.
     stream_ = device::create_stream(device, options.stream_priority);
@@ -199,19 +174,16 @@ LaneStats Lane::stats() const {
   return s;
 }
 
-std::shared_ptr<void> Lane::record_event() {
-  if (!is_gpu()) return nullptr;
-  void* event = events_->take();
-  std::weak_ptr<EventPool> pool = events_;
-  std::shared_ptr<void> owned(event, [pool](void* e) {
-    if (auto p = pool.lock()) {
-      p->give(e);
-    } else {
-      device::destroy_event(e);
-    }
-  });
-  device::record_event(event, stream_);
-  return owned;
+void Lane::record_event(FutureState& future) {
+  if (!is_gpu()) return;
+  void* event = event_pool::take(device_);
+  try {
+    device::record_event(event, stream_);
+  } catch (...) {
+    event_pool::give(device_, event);
+    throw;
+  }
+  future.set_event(device_, event);
 }
 
 void Lane::set_tracing(bool on) {

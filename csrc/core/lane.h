@@ -127,8 +127,9 @@ class Lane : public std::enable_shared_from_this<Lane> {
   uint64_t load() const;
   LaneStats stats() const;
 
-  /// An event recorded on the lane stream now (GPU lanes), for results and handoffs.
-  std::shared_ptr<void> record_event();
+  /// Records a pooled event on the lane stream now and gives it to `future` (GPU lanes;
+  /// nothing on CPU lanes), for results and handoffs.
+  void record_event(FutureState& future);
 
   void set_tracing(bool on);
   bool tracing() const { return tracing_.load(std::memory_order_relaxed); }
@@ -176,8 +177,6 @@ class Lane : public std::enable_shared_from_this<Lane> {
   std::condition_variable exit_cv_;
   bool exited_ = false;
 
-  struct EventPool;
-  std::shared_ptr<EventPool> events_;
 
   std::atomic<bool> tracing_{false};
   std::mutex trace_mutex_;

@@ -53,6 +53,9 @@ struct TorchTls {
   void (*set_grad_enabled)(bool) = nullptr;
   bool (*inference_mode_enabled)() = nullptr;
   bool (*autocast_enabled)(int8_t device_type) = nullptr;  // c10::DeviceType is an int8_t enum
+  // From libc10_cuda, absent from CPU builds: lets a GPU lane see that its stream is
+  // still torch's current one and skip selecting it again.
+  CudaStreamAbi (*current_cuda_stream)(int8_t device_index) = nullptr;
 
   static constexpr int8_t kCpu = 0, kCuda = 1;  // c10::DeviceType, fixed by torch's ABI
 
@@ -85,6 +88,9 @@ struct TorchTls {
     if (!tls.grad_enabled || !tls.set_grad_enabled || !tls.inference_mode_enabled ||
         !tls.autocast_enabled)
       return {};
+    if (void* cuda = dlopen((dir + "libc10_cuda.so").c_str(), RTLD_NOW | RTLD_NOLOAD))
+      tls.current_cuda_stream = reinterpret_cast<CudaStreamAbi (*)(int8_t)>(
+          dlsym(cuda, "_ZN3c104cuda20getCurrentCUDAStreamEa"));
     return tls;
   }
 };
@@ -215,7 +221,7 @@ class PythonTask final : public TaskBody {
     }
     if (lane.is_gpu()) {
       try {
-        state->set_event(lane.record_event());
+        lane.record_event(*state);
       } catch (...) {
         if (result != nullptr) {
           Py_CLEAR(result);
@@ -324,7 +330,7 @@ void on_graph_done(void* arg) {
 bool GraphTask::run(Lane& lane, FutureState* state) {
   try {
     device::launch_graph(exec_, lane.stream());
-    state->set_event(lane.record_event());
+    lane.record_event(*state);
   } catch (const std::exception& e) {
     state->set_native_error(NativeError::Cuda, rt_.label + ": " + e.what());
     return true;  // nothing reached the GPU; the worker finishes the future
@@ -390,6 +396,26 @@ void LaneRuntime::thread_exiting() {
   tstate_ = nullptr;
 }
 
+void LaneRuntime::trust_stream_reading(const Lane& lane) {
+  // init_thread has just made the lane's device and stream current: a reading that
+  // says so shows the native getter is what CudaStreamAbi assumes.
+  auto get = TorchApi::get()->tls.current_cuda_stream;
+  PyObject* id = PyTuple_GetItem(set_stream_args_, 0);
+  if (get == nullptr || id == nullptr) return PyErr_Clear();
+  lane_stream_id_ = PyLong_AsLongLong(id);
+  if (lane_stream_id_ == -1 && PyErr_Occurred()) return PyErr_Clear();
+  const CudaStreamAbi now = get(-1);
+  if (now.device_type == TorchTls::kCuda && now.device_index == lane.device() &&
+      now.id == lane_stream_id_)
+    current_cuda_stream_ = get;
+}
+
+bool LaneRuntime::lane_stream_is_current(const Lane& lane) const {
+  if (current_cuda_stream_ == nullptr) return false;
+  const CudaStreamAbi now = current_cuda_stream_(-1);  // -1: the current device's
+  return now.device_index == lane.device() && now.id == lane_stream_id_;
+}
+
 void LaneRuntime::prepare_task(Lane& lane) {
   if (!torch_ready_) {
     if (TorchApi::get() == nullptr) return;
@@ -402,12 +428,14 @@ void LaneRuntime::prepare_task(Lane& lane) {
     if (r != Py_None) {
       set_stream_ = PySequence_GetItem(r, 0);
       set_stream_args_ = PySequence_GetItem(r, 1);
+      trust_stream_reading(lane);
     }
     Py_DECREF(r);
     torch_ready_ = true;
   }
   if (set_stream_ != nullptr) {
     // A task may have switched streams or devices; every task starts on the lane's.
+    if (lane_stream_is_current(lane)) return;
     PyObject* r = PyObject_Call(set_stream_, set_stream_args_, nullptr);
     if (r == nullptr) throw py::error_already_set();
     Py_DECREF(r);

@@ -33,6 +33,15 @@ class WaitingWithoutGil {
   }
 };
 
+/// c10::cuda::CUDAStream as returned by value: {Device{type, index}, StreamId}. Trivially
+/// copyable, so it comes back in two registers; LaneRuntime checks a reading against the
+/// stream it has just set before trusting the getter.
+struct CudaStreamAbi {
+  int8_t device_type;
+  int8_t device_index;
+  int64_t id;
+};
+
 /// The caller's thread-local torch state at submit, applied on the worker.
 struct TorchSnapshot {
   bool captured = false;  // torch was imported at submit
@@ -70,6 +79,13 @@ class LaneRuntime : public Interpreter {
   PyObject* set_stream_ = nullptr;  // owned: torch._C._cuda_setStream
   PyObject* set_stream_args_ = nullptr;
   bool torch_ready_ = false;
+  // Torch's current-stream getter, once a reading has matched (trust_stream_reading),
+  // and the lane stream's torch id.
+  CudaStreamAbi (*current_cuda_stream_)(int8_t) = nullptr;
+  int64_t lane_stream_id_ = 0;
+
+  void trust_stream_reading(const Lane& lane);
+  bool lane_stream_is_current(const Lane& lane) const;
 };
 
 /// Creates the Python future for task `id` of `lane` (the future type's constructor).
