@@ -20,6 +20,26 @@ cudaError_t count_devices(int* count) {
   return err;
 }
 
+// The driver's cuEventRecord, which the runtime's cudaEventRecord wraps: a result event
+// is recorded after every task on a GPU lane, and the wrapper's checks are a good part
+// of that call's cost. Null when the driver does not offer it.
+using EventRecordFn = int (*)(void* event, void* stream);  // CUresult(CUevent, CUstream)
+
+EventRecordFn driver_event_record() {
+  static const EventRecordFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuEventRecord", &p, 12000, cudaEnableDefault, &status) !=
+            cudaSuccess ||
+        status != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return EventRecordFn{nullptr};
+    }
+    return reinterpret_cast<EventRecordFn>(p);
+  }();
+  return fn;
+}
+
 }  // namespace
 
 bool compiled_with_cuda() { return true; }
@@ -69,6 +89,9 @@ Event create_event(int device, bool timing) {
 void destroy_event(Event event) { (void)cudaEventDestroy(static_cast<cudaEvent_t>(event)); }
 
 void record_event(Event event, Stream stream) {
+  const EventRecordFn record = driver_event_record();
+  if (record != nullptr && record(event, stream) == 0) return;
+  // No driver entry point, or a failure: the runtime call reports it in its own words.
   PYDFLASH_CUDA_CHECK(
       cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
 }
