@@ -232,6 +232,30 @@ def test_stats_count_work(dispatcher):
     assert lane0["device"] == "cpu" and lane0["queued"] == 0
 
 
+def test_poll_window_grows_with_frequent_bursts_and_resets_after_a_long_gap():
+    # Note [Adaptive polling]: a worker woken soon after it fell asleep polls longer next
+    # time; one left idle past the burst gap goes back to spin_us.
+    with pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=20) as d:
+        lane = d.lanes[0]
+        windows = []
+        for _ in range(40):
+            lane.submit(lambda: None).result()
+            time.sleep(0.0003)
+            windows.append(lane.stats()["spin_us"])
+        assert max(windows) >= 80, windows
+        time.sleep(0.05)
+        lane.submit(lambda: None).result()
+        assert lane.stats()["spin_us"] == 20
+
+
+def test_no_polling_stays_no_polling():
+    with pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=0) as d:
+        for _ in range(20):
+            d.submit(lambda: None).result()
+            time.sleep(0.0003)
+        assert d.lanes[0].stats()["spin_us"] == 0
+
+
 def test_lanes_and_on(dispatcher):
     assert [lane.index for lane in dispatcher.lanes] == [0, 1]
     assert dispatcher.on("cpu") is dispatcher.lanes[0]

@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "core/clock.h"
@@ -57,6 +58,7 @@ Lane::Lane(int index, int device, std::shared_ptr<Interpreter> interpreter, Lane
       options_(options),
       in_interpreter_(in_interpreter_flag()) {
   PYDFLASH_INTERNAL_ASSERT(interpreter_ != nullptr);
+  spin_ns_.store(options.spin_ns, std::memory_order_relaxed);
   if (is_gpu()) {
     // Note [CUDA objects at exit]: created once, never destroyed.
     stream_ = device::create_stream(device, options.stream_priority);
@@ -171,6 +173,7 @@ LaneStats Lane::stats() const {
   s.on_device = static_cast<uint64_t>(on_device_.load());
   s.busy_ns = busy_ns_.load();
   s.queue_wait_ns = queue_wait_ns_.load();
+  s.spin_ns = spin_ns_.load();
   return s;
 }
 
@@ -224,16 +227,35 @@ void Lane::leave() {
   }
 }
 
+// Note [Adaptive polling]: an idle worker polls its queue before it sleeps, because
+// waking a sleeping thread costs the submitter a system call (several µs in a VM) and
+// the task a wake-up. The window starts at spin_ns; each time the worker slept and work
+// came back within kBurstGapNs it doubles, up to kMaxSpinNs, and a longer gap puts it
+// back. Workers fed in frequent bursts stay awake between them; workers fed once per
+// training step do not keep a core busy waiting. A window of zero stays zero.
+constexpr int64_t kBurstGapNs = 2'000'000;
+constexpr int64_t kMaxSpinNs = 1'000'000;
+
+int64_t next_spin_ns(int64_t now_spin, int64_t base, bool slept, int64_t idle_ns) {
+  if (!slept) return now_spin;
+  if (idle_ns >= kBurstGapNs) return base;
+  return std::min(std::max(now_spin * 2, base), std::max(base, kMaxSpinNs));
+}
+
 void Lane::worker_main() {
   if (is_gpu()) device::set_device(device_);
   interpreter_->thread_started(*this);
   Task task;
+  int64_t spin_ns = options_.spin_ns;
   for (;;) {
     if (!queue_.try_pop(task)) {
       // Idle: give the interpreter back before polling and sleeping.
       leave();
-      if (!queue_.pop_wait(task, options_.spin_ns, [&] { return on_device_.load() == 0; }))
-        break;
+      const int64_t idle_since = now_ns();
+      bool slept = false;
+      if (!queue_.pop_wait(task, spin_ns, [&] { return on_device_.load() == 0; }, &slept)) break;
+      spin_ns = next_spin_ns(spin_ns, options_.spin_ns, slept, now_ns() - idle_since);
+      spin_ns_.store(spin_ns, std::memory_order_relaxed);
     }
     try {
       run_one(task);

@@ -54,7 +54,7 @@ struct Task {
 };
 
 struct LaneOptions {
-  int64_t spin_ns = 50'000;  // how long an idle worker polls before sleeping
+  int64_t spin_ns = 50'000;  // how long an idle worker polls before sleeping, at first
   int stream_priority = 0;
 };
 
@@ -67,6 +67,7 @@ struct LaneStats {
   uint64_t on_device = 0;
   int64_t busy_ns = 0;
   int64_t queue_wait_ns = 0;
+  int64_t spin_ns = 0;  // the idle worker's poll window now (Note [Adaptive polling])
 };
 
 /// One task as the trace sees it: host times, and the lane-stream events around it
@@ -172,6 +173,7 @@ class Lane : public std::enable_shared_from_this<Lane> {
   std::atomic<int64_t> on_device_{0};
   std::atomic<uint64_t> completed_{0}, cancelled_{0};
   std::atomic<int64_t> busy_ns_{0}, queue_wait_ns_{0};
+  std::atomic<int64_t> spin_ns_;
 
   std::mutex exit_mutex_;
   std::condition_variable exit_cv_;

@@ -51,14 +51,17 @@ class TaskQueue {
   }
 
   /// Blocks until an item arrives or `stop()` says the consumer may leave; polls for
-  /// spin_ns first. Returns false when it left without an item.
+  /// spin_ns first. Returns false when it left without an item. `slept`, if given,
+  /// says whether the poll ran out.
   template <typename StopFn>
-  bool pop_wait(T& out, int64_t spin_ns, StopFn stop) {
+  bool pop_wait(T& out, int64_t spin_ns, StopFn stop, bool* slept = nullptr) {
+    if (slept != nullptr) *slept = false;
     const int64_t spin_until = now_ns() + spin_ns;
     while (now_ns() < spin_until) {
       if (try_pop(out)) return true;
       std::this_thread::yield();
     }
+    if (slept != nullptr) *slept = true;
     std::unique_lock<std::mutex> lock(mutex_);
     sleeping_.store(true, std::memory_order_relaxed);
     cv_.wait(lock, [&] { return !items_.empty() || stop_locked(stop); });

@@ -237,6 +237,7 @@ void init_lane(py::module_& m) {
              d["on_device"] = s.on_device;
              d["busy_s"] = s.busy_ns * 1e-9;
              d["queue_wait_s"] = s.queue_wait_ns * 1e-9;
+             d["spin_us"] = s.spin_ns * 1e-3;
              return d;
            })
       .def(
