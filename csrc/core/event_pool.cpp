@@ -4,7 +4,6 @@
 #include <vector>
 
 #include "core/error.h"
-#include "cuda/device_api.h"
 
 namespace pydflash::event_pool {
 namespace {
@@ -24,17 +23,11 @@ Pool& pool(int device) {
 
 }  // namespace
 
-void* take(int device) {
+void take_all(int device, std::vector<void*>& into) {
   Pool& p = pool(device);
-  {
-    std::lock_guard<std::mutex> lock(p.mutex);
-    if (!p.free.empty()) {
-      void* e = p.free.back();
-      p.free.pop_back();
-      return e;
-    }
-  }
-  return device::create_event(device, /*timing=*/false);
+  std::lock_guard<std::mutex> lock(p.mutex);
+  into.insert(into.end(), p.free.begin(), p.free.end());
+  p.free.clear();
 }
 
 void give(int device, void* event) {

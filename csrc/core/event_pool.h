@@ -3,10 +3,13 @@
 // destroyed (Note [CUDA objects at exit]).
 #pragma once
 
+#include <vector>
+
 namespace pydflash::event_pool {
 
-/// An event of `device` (created when the pool is empty); no timing, for ordering only.
-void* take(int device);
+/// Moves the events given back so far for `device` into `into` (one lock for many: a
+/// lane keeps its own cache and refills it from here).
+void take_all(int device, std::vector<void*>& into);
 void give(int device, void* event);
 
 }  // namespace pydflash::event_pool

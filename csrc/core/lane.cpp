@@ -67,17 +67,28 @@ Lane::Lane(int index, int device, std::shared_ptr<Interpreter> interpreter, Lane
 }
 
 Lane::~Lane() {
-  if (thread_ == nullptr) return;
+  // Once the worker is done with them (a forked child's events are the parent's).
+  auto give_back_events = [&] {
+    for (void* event : events_) event_pool::give(device_, event);
+  };
+  if (thread_ == nullptr) {
+    give_back_events();
+    return;
+  }
   if (forked() || thread_->get_id() == std::this_thread::get_id()) {
     // In a forked child the thread never existed; on the worker itself it cannot be
     // joined. Either way the std::thread is leaked rather than destroyed joinable.
-    if (!forked()) thread_->detach();
-    if (!forked()) delete thread_;
+    if (!forked()) {
+      thread_->detach();
+      delete thread_;
+      give_back_events();
+    }
     return;
   }
   queue_.close();
   if (thread_->joinable()) thread_->join();
   delete thread_;
+  give_back_events();
 }
 
 bool Lane::forked() const { return current_fork_generation() != fork_generation_; }
@@ -179,7 +190,14 @@ LaneStats Lane::stats() const {
 
 void Lane::record_event(FutureState& future) {
   if (!is_gpu()) return;
-  void* event = event_pool::take(device_);
+  if (events_.empty()) event_pool::take_all(device_, events_);
+  void* event = nullptr;
+  if (events_.empty()) {
+    event = device::create_event(device_, /*timing=*/false);
+  } else {
+    event = events_.back();
+    events_.pop_back();
+  }
   try {
     device::record_event(event, stream_);
   } catch (...) {

@@ -129,7 +129,7 @@ class Lane : public std::enable_shared_from_this<Lane> {
   LaneStats stats() const;
 
   /// Records a pooled event on the lane stream now and gives it to `future` (GPU lanes;
-  /// nothing on CPU lanes), for results and handoffs.
+  /// nothing on CPU lanes), for results and handoffs. On the worker only.
   void record_event(FutureState& future);
 
   void set_tracing(bool on);
@@ -160,6 +160,7 @@ class Lane : public std::enable_shared_from_this<Lane> {
   // Whether the worker holds the interpreter. Written by the worker only; futures' waiters
   // read it (Note [Finish, then publish]), also after the lane is gone: see in_interpreter_flag().
   std::atomic<bool>& in_interpreter_;
+  std::vector<void*> events_;  // result events to reuse; the worker's only
   bool entered_ = false;  // the truth, on the worker thread only
   std::thread* thread_ = nullptr;  // leaked in a forked child: its thread does not exist there
   // Counters on three cache lines, by who writes them, so a submitting thread and the
