@@ -64,6 +64,28 @@ def test_result_carries_an_event_that_completes_with_the_gpu_work(two_lanes):
     assert pydflash._C.query_event(f.event)
 
 
+def test_a_tensor_result_gets_its_event_when_the_task_ends(two_lanes):
+    # Note [Deferred result events]: only results that cannot hold a tensor wait for
+    # their event to be asked for. A tensor's event is recorded at the task's end, so
+    # work the lane queues afterwards does not delay a consumer.
+    lane = two_lanes[0]
+
+    def produce():
+        pydflash._C.busy_wait(lane.stream_ptr, SPIN_NS)
+        return torch.ones(4, device="cuda")
+
+    start = time.perf_counter()
+    f = lane.submit(produce)
+    later = lane.submit(pydflash._C.busy_wait, lane.stream_ptr, 4 * SPIN_NS)
+    later.result()
+    event = f.event  # read after the later spin is queued
+    while not pydflash._C.query_event(event):
+        time.sleep(0.001)
+    waited = time.perf_counter() - start
+    assert waited < 3 * SPIN_NS / 1e9, f"the tensor's event waited {waited:.3f} s: it covers later work"
+    torch.cuda.synchronize()
+
+
 def test_cross_stream_handoff_without_a_host_sync(two_lanes):
     producer, consumer = two_lanes
 

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "cuda/device_api.h"
 
 namespace pydflash::event_pool {
 namespace {
@@ -22,6 +23,19 @@ Pool& pool(int device) {
 }
 
 }  // namespace
+
+void* take(int device) {
+  Pool& p = pool(device);
+  {
+    std::lock_guard<std::mutex> lock(p.mutex);
+    if (!p.free.empty()) {
+      void* e = p.free.back();
+      p.free.pop_back();
+      return e;
+    }
+  }
+  return device::create_event(device, /*timing=*/false);
+}
 
 void take_all(int device, std::vector<void*>& into) {
   Pool& p = pool(device);

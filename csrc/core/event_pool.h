@@ -7,6 +7,8 @@
 
 namespace pydflash::event_pool {
 
+/// One event of `device`, created when none is free.
+void* take(int device);
 /// Moves the events given back so far for `device` into `into` (one lock for many: a
 /// lane keeps its own cache and refills it from here).
 void take_all(int device, std::vector<void*>& into);

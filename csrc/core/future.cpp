@@ -6,11 +6,32 @@
 #include "core/clock.h"
 #include "core/error.h"
 #include "core/event_pool.h"
+#include "cuda/device_api.h"
 
 namespace pydflash {
 
 FutureState::~FutureState() {
   if (event_ != nullptr) event_pool::give(event_device_, event_);
+}
+
+// Note [Deferred result events]: a result event orders a consumer stream after the
+// task's GPU work, so the event may be recorded later than the task's end, never
+// earlier. Recorded on demand, it lands after whatever the lane has queued since: a
+// consumer may wait longer than it needs, never less. Results that hold tensors, the
+// ones handed between lanes, still get theirs when the task ends.
+void* FutureState::event_recorded_now() {
+  if (event_ == nullptr && deferred_stream_ != nullptr && status() == FutureStatus::Finished) {
+    void* event = event_pool::take(event_device_);
+    try {
+      device::record_event(event, deferred_stream_);
+    } catch (...) {
+      event_pool::give(event_device_, event);
+      throw;
+    }
+    event_ = event;
+    deferred_stream_ = nullptr;
+  }
+  return event_;
 }
 
 bool FutureState::try_start() {

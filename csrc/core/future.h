@@ -79,13 +79,23 @@ class FutureState {
   NativeError native_error() const { return native_error_; }
   const std::string& native_error_message() const { return native_error_message_; }
 
-  /// CUDA event recorded on the lane's stream after the task (null on CPU lanes); it
-  /// goes back to its device's pool with the future.
+  /// CUDA event recorded on the lane's stream after the task (null on CPU lanes, and
+  /// while deferred); it goes back to its device's pool with the future.
   void* event() const { return event_; }
   void set_event(int device, void* event) {
     event_device_ = device;
     event_ = event;
   }
+  /// Note [Deferred result events]: a task whose result holds no GPU memory (None, a
+  /// number, a string, an exception) gets its event only when someone asks, recorded on
+  /// `stream` then. Set by the worker before the task finishes.
+  void defer_event(int device, void* stream) {
+    event_device_ = device;
+    deferred_stream_ = stream;
+  }
+  /// The event, recording a deferred one now. Callers serialize (the Python getter
+  /// holds the GIL); call once the future is done.
+  void* event_recorded_now();
 
   /// When the task was queued and started, for stats and traces. Plain fields: the
   /// submitter writes submit_ns before the queue hands the task over, and only the
@@ -106,6 +116,7 @@ class FutureState {
   std::string native_error_message_;
   void* event_ = nullptr;
   int event_device_ = -1;
+  void* deferred_stream_ = nullptr;
 };
 
 }  // namespace pydflash

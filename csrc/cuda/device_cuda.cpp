@@ -40,6 +40,18 @@ EventRecordFn driver_event_record() {
   return fn;
 }
 
+// Makes `device` current for one creation call and then restores the caller's: lanes and
+// result events are created on threads (the user's) whose current device torch relies on.
+template <typename Fn>
+void on_device(int device, Fn fn) {
+  int previous = 0;
+  PYDFLASH_CUDA_CHECK(cudaGetDevice(&previous));
+  PYDFLASH_CUDA_CHECK(cudaSetDevice(device));
+  const cudaError_t err = fn();
+  if (previous != device) (void)cudaSetDevice(previous);
+  PYDFLASH_CUDA_CHECK(err);
+}
+
 }  // namespace
 
 bool compiled_with_cuda() { return true; }
@@ -72,17 +84,18 @@ int driver_version() {
 void set_device(int device) { PYDFLASH_CUDA_CHECK(cudaSetDevice(device)); }
 
 Stream create_stream(int device, int priority) {
-  PYDFLASH_CUDA_CHECK(cudaSetDevice(device));
   cudaStream_t stream = nullptr;
-  PYDFLASH_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, priority));
+  on_device(device, [&] {
+    return cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, priority);
+  });
   return stream;
 }
 
 Event create_event(int device, bool timing) {
-  PYDFLASH_CUDA_CHECK(cudaSetDevice(device));
   cudaEvent_t event = nullptr;
-  PYDFLASH_CUDA_CHECK(
-      cudaEventCreateWithFlags(&event, timing ? cudaEventDefault : cudaEventDisableTiming));
+  on_device(device, [&] {
+    return cudaEventCreateWithFlags(&event, timing ? cudaEventDefault : cudaEventDisableTiming);
+  });
   return event;
 }
 

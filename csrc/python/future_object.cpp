@@ -166,7 +166,14 @@ PyObject* get_status(PyObject* self, void*) {
 PyObject* get_id(PyObject* self, void*) { return PyLong_FromUnsignedLongLong(self_of(self)->state().id()); }
 
 PyObject* get_event(PyObject* self, void*) {
-  return PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(self_of(self)->state().event()));
+  void* event = nullptr;
+  try {
+    event = self_of(self)->state().event_recorded_now();
+  } catch (...) {
+    set_python_error(std::current_exception());
+    return nullptr;
+  }
+  return PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(event));
 }
 
 PyObject* get_native_error(PyObject* self, void*) {
@@ -201,7 +208,9 @@ PyGetSetDef getset[] = {
     {"_waiters", get_waiters, nullptr, nullptr, nullptr},
     {"_id", get_id, nullptr, nullptr, nullptr},
     {"event", get_event, nullptr,
-     "The cudaEvent_t (as an int) recorded on the lane stream after the task; 0 on CPU lanes.",
+     "The cudaEvent_t (as an int) recorded on the lane stream after the task; 0 on CPU lanes "
+     "and while pending. A result that cannot hold a tensor gets its event when this is "
+     "first read (Note [Deferred result events]).",
      nullptr},
     {"_native_error", get_native_error, nullptr, nullptr, nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr}};

@@ -184,6 +184,14 @@ void store_outcome(FutureObject* future, PyObject* result, const std::string& la
   Py_XDECREF(tb);
 }
 
+// A failure, or a result of a type that cannot hold a tensor: nothing a consumer stream
+// would read, so its event can wait until asked for (Note [Deferred result events]).
+bool holds_no_gpu_memory(PyObject* result) {
+  return result == nullptr || result == Py_None || PyBool_Check(result) ||
+         PyLong_CheckExact(result) || PyFloat_CheckExact(result) || PyUnicode_CheckExact(result) ||
+         PyBytes_CheckExact(result);
+}
+
 class PythonTask final : public TaskBody {
  public:
   PythonTask(LaneRuntime& rt, py::object fn, py::tuple args, py::object kwargs,
@@ -221,7 +229,11 @@ class PythonTask final : public TaskBody {
     }
     if (lane.is_gpu()) {
       try {
-        lane.record_event(*state);
+        if (holds_no_gpu_memory(result)) {
+          state->defer_event(lane.device(), lane.stream());  // Note [Deferred result events]
+        } else {
+          lane.record_event(*state);
+        }
       } catch (...) {
         if (result != nullptr) {
           Py_CLEAR(result);
