@@ -232,6 +232,13 @@ def test_stats_count_work(dispatcher):
     assert lane0["device"] == "cpu" and lane0["queued"] == 0
 
 
+def test_the_native_submitter_refuses_what_is_not_a_lane():
+    with pytest.raises(ValueError, match="at least one lane"):
+        pydflash._C.Submitter((), ())
+    with pytest.raises(TypeError, match="expected pydflash._C.Lane objects, got int"):
+        pydflash._C.Submitter((1,), (None,))
+
+
 def test_poll_window_grows_with_frequent_bursts_and_resets_after_a_long_gap():
     # Note [Adaptive polling]: a worker woken soon after it fell asleep polls longer next
     # time; one left idle past the burst gap goes back to spin_us.

@@ -99,7 +99,9 @@ def test_the_reader_in_use():
     assert _C.torch_state_reader() == expected
 
 
-@pytest.mark.skipif(os.environ.get("PYDFLASH_TORCH_STATE") == "python", reason="already the fallback")
+@pytest.mark.skipif(
+    os.environ.get("PYDFLASH_TORCH_STATE") == "python", reason="this run is the fallback"
+)
 def test_the_python_fallback_carries_the_same_state():
     env = dict(os.environ, PYDFLASH_TORCH_STATE="python")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],

@@ -20,7 +20,8 @@ FutureState::~FutureState() {
 // consumer may wait longer than it needs, never less. Results that hold tensors, the
 // ones handed between lanes, still get theirs when the task ends.
 void* FutureState::event_recorded_now() {
-  if (event_ == nullptr && deferred_stream_ != nullptr && status() == FutureStatus::Finished) {
+  if (status() != FutureStatus::Finished) return nullptr;  // the worker may still set it
+  if (event_ == nullptr && deferred_stream_ != nullptr) {
     void* event = event_pool::take(event_device_);
     try {
       device::record_event(event, deferred_stream_);

@@ -58,7 +58,9 @@ class FutureState {
 
   /// The producing worker's "holds the interpreter" flag (see the Note above). It lives
   /// for the process; a stale reading only makes a waiter poll a little less or more.
-  void set_producer_in_interpreter(const std::atomic<bool>* flag) { producer_in_interpreter_ = flag; }
+  void set_producer_in_interpreter(const std::atomic<bool>* flag) {
+    producer_in_interpreter_ = flag;
+  }
 
   /// Returns at once when done (the caller holds what the finisher held, so the
   /// outcome is visible); otherwise waits until published: spin_ns of polling first
@@ -93,8 +95,8 @@ class FutureState {
     event_device_ = device;
     deferred_stream_ = stream;
   }
-  /// The event, recording a deferred one now. Callers serialize (the Python getter
-  /// holds the GIL); call once the future is done.
+  /// The event once the task has finished (null before), recording a deferred one now.
+  /// Callers serialize (the Python getter holds the GIL).
   void* event_recorded_now();
 
   /// When the task was queued and started, for stats and traces. Plain fields: the

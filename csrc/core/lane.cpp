@@ -47,6 +47,21 @@ std::atomic<bool>& in_interpreter_flag() {
   return flags[next.fetch_add(1, std::memory_order_relaxed) % 256].value;
 }
 
+// Note [Adaptive polling]: an idle worker polls its queue before it sleeps, because
+// waking a sleeping thread costs the submitter a system call (several µs in a VM) and
+// the task a wake-up. The window starts at spin_ns; each time the worker slept and work
+// came back within kBurstGapNs it doubles, up to kMaxSpinNs, and a longer gap puts it
+// back. Workers fed in frequent bursts stay awake between them; workers fed once per
+// training step do not keep a core busy waiting. A window of zero stays zero.
+constexpr int64_t kBurstGapNs = 2'000'000;
+constexpr int64_t kMaxSpinNs = 1'000'000;
+
+int64_t next_spin_ns(int64_t now_spin, int64_t base, bool slept, int64_t idle_ns) {
+  if (!slept) return now_spin;
+  if (idle_ns >= kBurstGapNs) return base;
+  return std::min(std::max(now_spin * 2, base), std::max(base, kMaxSpinNs));
+}
+
 }  // namespace
 
 Lane::Lane(int index, int device, std::shared_ptr<Interpreter> interpreter, LaneOptions options)
@@ -243,21 +258,6 @@ void Lane::leave() {
     in_interpreter_.store(false, std::memory_order_release);
     interpreter_->leave();
   }
-}
-
-// Note [Adaptive polling]: an idle worker polls its queue before it sleeps, because
-// waking a sleeping thread costs the submitter a system call (several µs in a VM) and
-// the task a wake-up. The window starts at spin_ns; each time the worker slept and work
-// came back within kBurstGapNs it doubles, up to kMaxSpinNs, and a longer gap puts it
-// back. Workers fed in frequent bursts stay awake between them; workers fed once per
-// training step do not keep a core busy waiting. A window of zero stays zero.
-constexpr int64_t kBurstGapNs = 2'000'000;
-constexpr int64_t kMaxSpinNs = 1'000'000;
-
-int64_t next_spin_ns(int64_t now_spin, int64_t base, bool slept, int64_t idle_ns) {
-  if (!slept) return now_spin;
-  if (idle_ns >= kBurstGapNs) return base;
-  return std::min(std::max(now_spin * 2, base), std::max(base, kMaxSpinNs));
 }
 
 void Lane::worker_main() {

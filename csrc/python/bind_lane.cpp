@@ -82,10 +82,14 @@ PyObject* submit_with(PyObject* self, PyObject* const* args, size_t nargsf, PyOb
     PyErr_SetString(PyExc_TypeError, "submit() missing the callable to run");
     return nullptr;
   }
-  if (s->lanes.size() == 1) return submit_to(*s->lanes[0], PyTuple_GET_ITEM(s->owners, 0), args, nargs, kwnames);
+  if (s->lanes.empty()) {  // cleared by the garbage collector, and called from a finalizer
+    PyErr_SetString(PyExc_RuntimeError, "submit() on a lane that is being collected");
+    return nullptr;
+  }
   auto submit_at = [&](Py_ssize_t i) {
     return submit_to(*s->lanes[i], PyTuple_GET_ITEM(s->owners, i), args, nargs, kwnames);
   };
+  if (s->lanes.size() == 1) return submit_at(0);
   const Py_ssize_t best = least_busy(s->lanes, /*open_only=*/false);
   PyObject* future = submit_at(best);
   if (future != nullptr || !s->lanes[best]->lane->closed()) return future;
@@ -108,8 +112,12 @@ PyObject* submitter_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   }
   std::vector<PyLane*> lanes;
   try {
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(natives); ++i)
-      lanes.push_back(&py::handle(PyTuple_GET_ITEM(natives, i)).cast<PyLane&>());
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(natives); ++i) {
+      py::handle native = PyTuple_GET_ITEM(natives, i);
+      PYDFLASH_CHECK_TYPE(py::isinstance<PyLane>(native), "expected pydflash._C.Lane objects, got ",
+                          Py_TYPE(native.ptr())->tp_name);
+      lanes.push_back(&native.cast<PyLane&>());
+    }
   } catch (...) {
     set_python_error(std::current_exception());
     return nullptr;

@@ -163,7 +163,9 @@ PyObject* get_status(PyObject* self, void*) {
   return PyLong_FromLong(static_cast<int>(self_of(self)->state().status()));
 }
 
-PyObject* get_id(PyObject* self, void*) { return PyLong_FromUnsignedLongLong(self_of(self)->state().id()); }
+PyObject* get_id(PyObject* self, void*) {
+  return PyLong_FromUnsignedLongLong(self_of(self)->state().id());
+}
 
 PyObject* get_event(PyObject* self, void*) {
   void* event = nullptr;

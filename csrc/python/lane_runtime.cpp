@@ -125,7 +125,8 @@ struct TorchApi {
 
   /// Autocast on for a device type that pydflash._torch_state carries (cpu, cuda).
   bool any_autocast() const {
-    if (tls.found()) return tls.autocast_enabled(TorchTls::kCpu) || tls.autocast_enabled(TorchTls::kCuda);
+    if (tls.found())
+      return tls.autocast_enabled(TorchTls::kCpu) || tls.autocast_enabled(TorchTls::kCuda);
     if (is_any_autocast_enabled != nullptr) return call_bool(is_any_autocast_enabled);
     return call_bool(is_autocast_enabled, str_cuda) || call_bool(is_autocast_enabled, str_cpu);
   }
