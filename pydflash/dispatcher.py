@@ -26,7 +26,9 @@ class Dispatcher(concurrent.futures.Executor):
     devices: CUDA ordinals, 'cuda:N', torch.device or 'cpu', one lane per entry (repeat
     an entry for several lanes on one device). Default: every visible GPU, else one CPU
     lane. trace: record per-lane spans (see `export_trace`). guard_triton: make Triton's
-    autotuner and compiles safe under threads while the dispatcher lives.
+    autotuner and compiles safe under threads while the dispatcher lives. spin_us: how
+    long an idle worker polls its queue before it sleeps; the window grows (to 1 ms)
+    while tasks come in frequent bursts and shrinks back after a pause (0: never poll).
     """
 
     def __init__(
