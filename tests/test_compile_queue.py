@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from polling_helpers import eventually
 
 import pydflash
 from pydflash import compile_queue
@@ -19,15 +20,6 @@ _keys = itertools.count()
 
 def fresh_key(name: str) -> str:
     return f"test:{name}:{next(_keys)}"
-
-
-def eventually(pred, what: str) -> None:
-    """Polls pred(); the bound turns a hang into a failure, it is not a timing assertion."""
-    for _ in range(20000):
-        if pred():
-            return
-        time.sleep(0.0005)
-    raise AssertionError(f"never happened: {what}")
 
 
 def flight(key: str) -> dict | None:

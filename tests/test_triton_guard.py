@@ -10,6 +10,7 @@ so the unguarded runs fail every time, not by luck. The rest runs in-process.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import subprocess
@@ -23,18 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if __name__ == "__main__":  # as the subprocess: the tree's pydflash, not an installed one
     sys.path.insert(0, str(ROOT))
 
+import polling_helpers  # noqa: E402
 import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton") if __name__ != "__main__" else None
 
 
-def eventually(pred, what: str) -> None:
-    """Polls pred(); the bound turns a hang into a failure, it is not a timing assertion."""
-    for _ in range(40000):
-        if pred():
-            return
-        time.sleep(0.0005)
-    raise AssertionError(f"never happened: {what}")
+# Waits here can sit behind Triton work on a loaded machine: a 20 s bound.
+eventually = functools.partial(polling_helpers.eventually, within_s=20.0)
 
 
 # ======================================================================================
