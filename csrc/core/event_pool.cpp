@@ -50,4 +50,13 @@ void give(int device, void* event) {
   p.free.push_back(event);
 }
 
+void record(int device, void* event, void* stream) {
+  try {
+    device::record_event(event, stream);
+  } catch (...) {
+    give(device, event);
+    throw;
+  }
+}
+
 }  // namespace pydflash::event_pool

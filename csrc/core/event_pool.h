@@ -13,5 +13,8 @@ void* take(int device);
 /// lane keeps its own cache and refills it from here).
 void take_all(int device, std::vector<void*>& into);
 void give(int device, void* event);
+/// Records `event`, taken from the pool of `device`, on `stream`; gives it back and
+/// rethrows when recording fails.
+void record(int device, void* event, void* stream);
 
 }  // namespace pydflash::event_pool

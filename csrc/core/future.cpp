@@ -6,7 +6,6 @@
 #include "core/clock.h"
 #include "core/error.h"
 #include "core/event_pool.h"
-#include "cuda/device_api.h"
 
 namespace pydflash {
 
@@ -23,12 +22,7 @@ void* FutureState::event_recorded_now() {
   if (status() != FutureStatus::Finished) return nullptr;  // the worker may still set it
   if (event_ == nullptr && deferred_stream_ != nullptr) {
     void* event = event_pool::take(event_device_);
-    try {
-      device::record_event(event, deferred_stream_);
-    } catch (...) {
-      event_pool::give(event_device_, event);
-      throw;
-    }
+    event_pool::record(event_device_, event, deferred_stream_);
     event_ = event;
     deferred_stream_ = nullptr;
   }

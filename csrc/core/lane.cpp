@@ -213,12 +213,7 @@ void Lane::record_event(FutureState& future) {
     event = events_.back();
     events_.pop_back();
   }
-  try {
-    device::record_event(event, stream_);
-  } catch (...) {
-    event_pool::give(device_, event);
-    throw;
-  }
+  event_pool::record(device_, event, stream_);
   future.set_event(device_, event);
 }
 
