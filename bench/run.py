@@ -67,22 +67,6 @@ class Progress:
               flush=True)
 
 
-def preload_lane_modules() -> None:
-    """Imports what a lane's first torch task imports from C++.
-
-    Workaround: csrc/python/lane_runtime.cpp imports pydflash._lane_runtime (and
-    pydflash._torch_state) inside function-local statics; when two lanes run their
-    first torch task at once, one waits on the static's guard holding the GIL while the
-    other, inside the import, waits for the GIL. Once imported, the initialisers do
-    not release the GIL, so they cannot interleave."""
-    import pydflash._lane_runtime  # noqa: F401
-
-    try:
-        import pydflash._torch_state  # noqa: F401  (imports torch)
-    except ImportError:
-        pass
-
-
 def machine() -> dict[str, Any]:
     """build_info() plus the host, the date and the GPUs the sections will use."""
     try:
@@ -158,7 +142,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     started = time.perf_counter()
     progress = Progress()
-    preload_lane_modules()
     header = machine()
     ctx = Context(quick=args.quick, gpus=header["gpus_used"], progress=progress)
     rows: list[Row] = []
