@@ -1,5 +1,5 @@
-"""The benchmark suite: `python -m bench.run [--quick] [--sections a,b] [--json FILE]
-[--plot FILE.png] [--trace FILE.json]`.
+"""The benchmark suite: `python -m bench.run` or `python bench/run.py`, with [--quick]
+[--sections a,b] [--json FILE] [--plot FILE.png] [--trace FILE.json].
 
 Runs each section (a module `bench/<name>.py` with `run(ctx) -> list[Row]`) and prints
 one table: medians, the alternatives measured in the same run, ratios, and whether
@@ -22,6 +22,12 @@ import sys
 import time
 import traceback
 from typing import Any, Callable, Sequence
+
+if not __package__:
+    # Run as a script (`python bench/run.py`): import this file's package as
+    # `python -m bench.run` does (PEP 366).
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    __package__ = "bench"
 
 from . import report
 from .common import Context, Row, meets
