@@ -1,6 +1,7 @@
 """`python -m pydflash`: what it reports about the machine and about tasks."""
 
 import ctypes
+import os
 
 import pytest
 
@@ -19,6 +20,13 @@ def driver_loads() -> bool:
     except OSError:
         return False
     return True
+
+
+def test_the_torch_state_reader_a_task_uses(run_python):
+    # Chosen once torch is imported: the report imports it, as a training script does.
+    pytest.importorskip("torch")
+    expected = "python" if os.environ.get("PYDFLASH_TORCH_STATE") == "python" else "native"
+    assert report(run_python)["torch_state_reader"] == expected
 
 
 def test_no_cuda_driver_is_named_as_such(run_python):
