@@ -1,5 +1,5 @@
-"""The benchmark suite: `python -m bench.run [--quick] [--sections a,b] [--json FILE]
-[--plot FILE.png] [--trace FILE.json]`.
+"""The benchmark suite: `python -m bench.run` or `python bench/run.py`, with [--quick]
+[--sections a,b] [--json FILE] [--plot FILE.png] [--trace FILE.json].
 
 Runs each section (a module `bench/<name>.py` with `run(ctx) -> list[Row]`) and prints
 one table: medians, the alternatives measured in the same run, ratios, and whether
@@ -22,6 +22,12 @@ import sys
 import time
 import traceback
 from typing import Any, Callable, Sequence
+
+if not __package__:
+    # Run as a script (`python bench/run.py`): import this file's package as
+    # `python -m bench.run` does (PEP 366).
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    __package__ = "bench"
 
 from . import report
 from .common import Context, Row, meets
@@ -65,22 +71,6 @@ class Progress:
     def __call__(self, message: str) -> None:
         print(f"[{time.perf_counter() - self._start:6.1f}s] {message}", file=self._stream,
               flush=True)
-
-
-def preload_lane_modules() -> None:
-    """Imports what a lane's first torch task imports from C++.
-
-    Workaround: csrc/python/lane_runtime.cpp imports pydflash._lane_runtime (and
-    pydflash._torch_state) inside function-local statics; when two lanes run their
-    first torch task at once, one waits on the static's guard holding the GIL while the
-    other, inside the import, waits for the GIL. Once imported, the initialisers do
-    not release the GIL, so they cannot interleave."""
-    import pydflash._lane_runtime  # noqa: F401
-
-    try:
-        import pydflash._torch_state  # noqa: F401  (imports torch)
-    except ImportError:
-        pass
 
 
 def machine() -> dict[str, Any]:
@@ -158,7 +148,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     started = time.perf_counter()
     progress = Progress()
-    preload_lane_modules()
     header = machine()
     ctx = Context(quick=args.quick, gpus=header["gpus_used"], progress=progress)
     rows: list[Row] = []

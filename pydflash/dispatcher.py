@@ -29,6 +29,7 @@ class Dispatcher(concurrent.futures.Executor):
     autotuner and compiles safe under threads while the dispatcher lives. spin_us: how
     long an idle worker polls its queue before it sleeps; the window grows (to 1 ms)
     while tasks come in frequent bursts and shrinks back after a pause (0: never poll).
+    max_workers: ThreadPoolExecutor's, refused with the `devices` call to use instead.
     """
 
     def __init__(
@@ -38,7 +39,16 @@ class Dispatcher(concurrent.futures.Executor):
         trace: bool = False,
         guard_triton: bool = True,
         spin_us: float = DEFAULT_SPIN_US,
+        max_workers: None = None,
     ) -> None:
+        if max_workers is not None:
+            n = max_workers if type(max_workers) is int and max_workers > 0 else 4
+            raise TypeError(
+                f"expected devices, one lane per entry, got max_workers={max_workers!r}: lanes "
+                f"are per device, not a pool of workers. For {n} lanes on the CPU use "
+                f"Dispatcher(devices=['cpu'] * {n}); for one lane on each of GPUs 0 and 1, "
+                "Dispatcher(devices=[0, 1])"
+            )
         parsed = parse_devices(devices)
         self._guard = None
         if guard_triton:
@@ -50,7 +60,9 @@ class Dispatcher(concurrent.futures.Executor):
         if trace:
             self.set_tracing(True)
         # The hot path: a native callable picks the least-busy lane (csrc/python/bind_lane.cpp).
-        self.submit = C.Submitter(tuple(lane._native for lane in self._lanes), tuple(self._lanes))
+        self.submit = C.Submitter(
+            tuple(lane._native for lane in self._lanes), tuple(self._lanes), repr(self)
+        )
         _live.add(self)
         # Dropped without shutdown: let queued work finish, then let the workers go.
         weakref.finalize(self, _shutdown_lanes, list(self._lanes), False, False)
@@ -78,7 +90,7 @@ class Dispatcher(concurrent.futures.Executor):
         """Runs fn(*args, **kwargs) on the least-busy lane (fewest tasks queued, running
         or on the GPU). (Replaced per instance by the native submit.)"""
         natives = tuple(lane._native for lane in self._lanes)
-        return C.Submitter(natives, tuple(self._lanes))(fn, *args, **kwargs)
+        return C.Submitter(natives, tuple(self._lanes), repr(self))(fn, *args, **kwargs)
 
     def warmup(self, fn: Callable[..., Any], inputs_per_lane: Iterable[tuple | None]) -> list[Any]:
         """Runs fn(*inputs) on every lane at once, with the Triton guard on, so that the

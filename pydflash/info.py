@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import platform
 import sys
@@ -41,7 +42,8 @@ def build_info() -> dict[str, Any]:
         "torch": _version_of("torch"),
         "triton": _version_of("triton"),
         "flash_linear_attention": _version_of("flash-linear-attention"),
-        # How a submit reads the caller's grad mode, inference mode and autocast.
+        # How a submit reads the caller's grad mode, inference mode and autocast; None
+        # until torch is imported.
         "torch_state_reader": C.torch_state_reader(),
     }
     if count and "torch" in sys.modules:
@@ -52,5 +54,9 @@ def build_info() -> dict[str, Any]:
 
 
 def main() -> None:
+    # As a training script would, so that the report shows the torch state reader a task
+    # uses (chosen once torch is imported) and names the GPUs.
+    with contextlib.suppress(ImportError):
+        import torch  # noqa: F401
     for key, value in build_info().items():
         print(f"{key:30s} {value}")

@@ -23,7 +23,7 @@ class Lane(concurrent.futures.Executor):
         self._native = C.Lane(index, device, f"lane {index} ({describe(device)})", Future, spin_us)
         self._torch_streams: tuple[Any, Any] | None = None
         # The hot path: a native callable, no Python frame (csrc/python/bind_lane.cpp).
-        self.submit = C.Submitter((self._native,), (self,))
+        self.submit = C.Submitter((self._native,), (self,), repr(self))
 
     # --- identity -------------------------------------------------------------------
     @property
@@ -84,7 +84,7 @@ class Lane(concurrent.futures.Executor):
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         """Queues fn(*args, **kwargs) on this lane. (Replaced per instance by the
         native submit; kept for the signature and docs.)"""
-        return C.Submitter((self._native,), (self,))(fn, *args, **kwargs)
+        return C.Submitter((self._native,), (self,), repr(self))(fn, *args, **kwargs)
 
     def submit_graph(self, graph: Any) -> Future:
         """Launches a captured CUDA graph from the native worker without the GIL. The

@@ -8,8 +8,10 @@ import importlib.machinery
 import io
 import json
 import math
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,7 @@ import pydflash
 from bench import report, run
 from bench.common import Row, compare, meets, not_run, parse_target
 
+ROOT = Path(__file__).resolve().parents[1]
 MEASURED_SECTIONS = ("dispatch", "overlap", "launch_bound")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -54,6 +57,18 @@ def test_quick_run_succeeds_and_reports_every_section(quick_run):
     assert all(s["status"] == "ok" for s in result["sections"].values())
     sections = {row["section"] for row in result["rows"]}
     assert sections == set(MEASURED_SECTIONS)
+
+
+@pytest.mark.parametrize("command", [["bench/run.py"], ["-m", "bench.run"]],
+                         ids=["script", "module"])
+def test_runs_as_a_script_and_as_a_module(command, tmp_path):
+    path = tmp_path / "r.json"
+    done = subprocess.run(
+        [sys.executable, *command, "--quick", "--sections", "overlap", "--json", str(path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    assert strict_json(path)["sections"]["overlap"]["status"] == "ok"
 
 
 def test_header_names_the_machine_and_versions(quick_run):

@@ -234,9 +234,9 @@ def test_stats_count_work(dispatcher):
 
 def test_the_native_submitter_refuses_what_is_not_a_lane():
     with pytest.raises(ValueError, match="at least one lane"):
-        pydflash._C.Submitter((), ())
+        pydflash._C.Submitter((), (), "none")
     with pytest.raises(TypeError, match="expected pydflash._C.Lane objects, got int"):
-        pydflash._C.Submitter((1,), (None,))
+        pydflash._C.Submitter((1,), (None,), "an int")
 
 
 def test_poll_window_grows_with_frequent_bursts_and_resets_after_a_long_gap():

@@ -1,5 +1,6 @@
 """Bad input gets a typed error that says what was expected; one test per mapping."""
 
+import concurrent.futures
 import pickle
 
 import pytest
@@ -28,6 +29,15 @@ def test_unknown_device_string_is_a_value_error(spec):
 def test_device_of_the_wrong_type_is_a_type_error(spec):
     with pytest.raises(TypeError, match="expected a device"):
         pydflash.Dispatcher([spec], guard_triton=False)
+
+
+def test_max_workers_is_a_type_error_showing_the_devices_call():
+    # ThreadPoolExecutor's habit; lanes are per device.
+    with pytest.raises(TypeError) as e:
+        pydflash.Dispatcher(max_workers=3)
+    message = str(e.value)
+    assert message.startswith("expected devices, one lane per entry, got max_workers=3")
+    assert "Dispatcher(devices=['cpu'] * 3)" in message and "Dispatcher(devices=[0, 1])" in message
 
 
 def test_empty_devices_is_a_value_error():
@@ -59,11 +69,19 @@ def test_non_callable_is_a_type_error():
             d.submit()
 
 
-def test_submit_after_shutdown_is_a_runtime_error():
-    d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_submit_after_shutdown_is_a_runtime_error_in_the_stdlibs_words(lanes):
+    pool = concurrent.futures.ThreadPoolExecutor()
+    pool.shutdown()
+    with pytest.raises(RuntimeError) as stdlib:
+        pool.submit(print)
+    d = pydflash.Dispatcher(["cpu"] * lanes, guard_triton=False)
     d.shutdown()
-    with pytest.raises(RuntimeError, match="after shutdown"):
-        d.lanes[0].submit(print)
+    # Named after what the caller submitted to: the Dispatcher, not a lane it picked.
+    for executor in (d, d.lanes[0]):
+        with pytest.raises(RuntimeError) as ours:
+            executor.submit(print)
+        assert str(ours.value) == f"{stdlib.value} of {executor!r}"
 
 
 def test_negative_spin_is_a_value_error():

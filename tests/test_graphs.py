@@ -12,8 +12,6 @@ import pytest
 import torch
 
 import pydflash
-import pydflash._lane_runtime  # noqa: F401  (see bench.run.preload_lane_modules)
-import pydflash._torch_state  # noqa: F401
 from pydflash import GraphCaptureError, graphs
 
 needs_gpu = pytest.mark.skipif(

@@ -10,7 +10,6 @@ from collections import Counter, defaultdict
 import pytest
 
 import pydflash
-import pydflash._lane_runtime  # noqa: F401  (see bench.run.preload_lane_modules)
 from pydflash import trace
 
 

@@ -121,7 +121,7 @@ uint64_t Lane::take_id() {
   PYDFLASH_CHECK_STATE(!forked(), "this dispatcher was created in process ", owner_pid_,
                        " and cannot be used in a forked child (pid ", getpid(),
                        "); create a new Dispatcher in the child");
-  PYDFLASH_CHECK_STATE(!queue_.closed(), "cannot submit to lane ", index_, " after shutdown");
+  PYDFLASH_CHECK_STATE(!queue_.closed(), "cannot schedule new futures after shutdown of lane ", index_);
   return next_id_.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -131,7 +131,7 @@ void Lane::submit(std::shared_ptr<FutureState> future, std::unique_ptr<TaskBody>
   submitted_.fetch_add(1, std::memory_order_relaxed);
   if (!queue_.push(Task{std::move(future), std::move(body)})) {
     submitted_.fetch_sub(1, std::memory_order_relaxed);
-    throw StateError(detail::str("cannot submit to lane ", index_, " after shutdown"));
+    throw StateError(detail::str("cannot schedule new futures after shutdown of lane ", index_));
   }
 }
 

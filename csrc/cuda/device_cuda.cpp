@@ -1,4 +1,5 @@
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include "cuda/cuda_check.h"
 #include "cuda/device_api.h"
@@ -18,6 +19,17 @@ cudaError_t count_devices(int* count) {
     *count = 0;
   }
   return err;
+}
+
+// Why the CUDA driver library cannot be loaded, or "" when it can.
+std::string driver_library_error() {
+  void* driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+  if (driver == nullptr) {
+    const char* why = dlerror();
+    return why != nullptr ? why : "libcuda.so.1 could not be loaded";
+  }
+  dlclose(driver);
+  return "";
 }
 
 // The driver's cuEventRecord, which the runtime's cudaEventRecord wraps: a result event
@@ -65,6 +77,12 @@ int device_count() {
 std::string unavailable_reason() {
   int count = 0;
   cudaError_t err = count_devices(&count);
+  if (err == cudaErrorInsufficientDriver || err == cudaErrorNoDevice) {
+    // Without the driver library the runtime answers as if the driver were too old, or
+    // saw no device: say what is missing instead.
+    const std::string missing = driver_library_error();
+    if (!missing.empty()) return "no CUDA driver was found: " + missing;
+  }
   if (err != cudaSuccess) return cudaGetErrorString(err);
   return count == 0 ? "no CUDA device is visible" : "";
 }

@@ -72,6 +72,7 @@ struct Submitter {
   vectorcallfunc vectorcall;
   PyObject* natives;  // tuple of _C.Lane, kept alive for `lanes`
   PyObject* owners;   // tuple of pydflash.Lane, one per native lane: the futures' lane
+  PyObject* name;     // str: what a submit after shutdown names (the Dispatcher or lane)
   std::vector<PyLane*> lanes;
 };
 
@@ -89,22 +90,23 @@ PyObject* submit_with(PyObject* self, PyObject* const* args, size_t nargsf, PyOb
   auto submit_at = [&](Py_ssize_t i) {
     return submit_to(*s->lanes[i], PyTuple_GET_ITEM(s->owners, i), args, nargs, kwnames);
   };
-  if (s->lanes.size() == 1) return submit_at(0);
-  const Py_ssize_t best = least_busy(s->lanes, /*open_only=*/false);
+  const Py_ssize_t best = s->lanes.size() == 1 ? 0 : least_busy(s->lanes, /*open_only=*/false);
   PyObject* future = submit_at(best);
   if (future != nullptr || !s->lanes[best]->lane->closed()) return future;
+  PyErr_Clear();
   // A lane shut down on its own is idle, so it looks least busy: try the open ones.
   const Py_ssize_t open = least_busy(s->lanes, /*open_only=*/true);
-  if (open < 0) return nullptr;
-  PyErr_Clear();
-  return submit_at(open);
+  if (open >= 0) return submit_at(open);
+  // The stdlib's words, which callers match, naming what the caller submitted to.
+  PyErr_Format(PyExc_RuntimeError, "cannot schedule new futures after shutdown of %U", s->name);
+  return nullptr;
 }
 
 PyObject* submitter_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  PyObject *natives, *owners;
-  static const char* names[] = {"native_lanes", "owners", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!:Submitter", const_cast<char**>(names),
-                                   &PyTuple_Type, &natives, &PyTuple_Type, &owners))
+  PyObject *natives, *owners, *name;
+  static const char* names[] = {"native_lanes", "owners", "name", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!U:Submitter", const_cast<char**>(names),
+                                   &PyTuple_Type, &natives, &PyTuple_Type, &owners, &name))
     return nullptr;
   if (PyTuple_GET_SIZE(natives) == 0 || PyTuple_GET_SIZE(natives) != PyTuple_GET_SIZE(owners)) {
     PyErr_SetString(PyExc_ValueError, "expected one owner per native lane, and at least one lane");
@@ -130,6 +132,8 @@ PyObject* submitter_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   s->natives = natives;
   Py_INCREF(owners);
   s->owners = owners;
+  Py_INCREF(name);
+  s->name = name;
   return reinterpret_cast<PyObject*>(s);
 }
 
@@ -145,6 +149,7 @@ int submitter_clear(PyObject* self) {
   s->lanes.clear();  // the pointers die with `natives`
   Py_CLEAR(s->natives);
   Py_CLEAR(s->owners);
+  Py_CLEAR(s->name);
   return 0;
 }
 
@@ -162,8 +167,9 @@ void add_submitter_type(PyObject* module) {
   SubmitterType.tp_basicsize = sizeof(Submitter);
   SubmitterType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL;
   SubmitterType.tp_doc =
-      "Submitter(native_lanes, owners)(fn, /, *args, **kwargs) -> Future: queues fn on the "
-      "lane (or, with several, the least busy lane).";
+      "Submitter(native_lanes, owners, name)(fn, /, *args, **kwargs) -> Future: queues fn on "
+      "the lane (or, with several, the least busy open lane); after shutdown the error names "
+      "`name`.";
   SubmitterType.tp_new = submitter_new;
   SubmitterType.tp_dealloc = submitter_dealloc;
   SubmitterType.tp_traverse = submitter_traverse;

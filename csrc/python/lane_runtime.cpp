@@ -42,6 +42,26 @@ bool call_bool(PyObject* fn, PyObject* arg = nullptr) {
   return value;
 }
 
+// Note [Torch mid-import]: a module is in sys.modules from the moment its import
+// starts, while its body still runs, for instance on another lane that let the GIL go
+// to read a file. Read then, torch is half a module ("partially initialized module
+// 'torch' has no attribute '_C'"), so until its import completes it counts as not
+// imported here. The import system's own signal says when: `__spec__._initializing` is
+// true while the body runs and cleared after it, by which time a failed import has left
+// sys.modules (importlib._bootstrap._load_unlocked). CPython's `import` checks the same
+// flag to decide whether to wait on the module's import lock, so a task that imports
+// torch itself waits for the other import to finish. The lane does not wait: nothing can
+// have set torch state through a module that has not finished importing.
+bool still_importing(PyObject* module) {
+  PyObject* spec = PyObject_GetAttrString(module, "__spec__");
+  PyObject* flag = spec ? PyObject_GetAttrString(spec, "_initializing") : nullptr;
+  Py_XDECREF(spec);
+  const int importing = flag ? PyObject_IsTrue(flag) : 0;
+  Py_XDECREF(flag);
+  PyErr_Clear();  // no spec or no flag: a module made by hand, complete as it stands
+  return importing == 1;
+}
+
 // Note [Torch state without Python calls]: grad mode, inference mode and autocast are
 // thread-locals of libc10 and libtorch_cpu, and torch's Python getters and setters are
 // thin wrappers of the functions below. Calling those directly takes three Python calls
@@ -131,12 +151,12 @@ struct TorchApi {
     return call_bool(is_autocast_enabled, str_cuda) || call_bool(is_autocast_enabled, str_cpu);
   }
 
-  /// Null until torch is in sys.modules. Entered.
+  /// Null until torch's import has completed (Note [Torch mid-import]). Entered.
   static const TorchApi* get() {
     if (api != nullptr) return api;
     if (torch_name == nullptr) torch_name = PyUnicode_InternFromString("torch");
     PyObject* torch = PyDict_GetItem(PyImport_GetModuleDict(), torch_name);  // borrowed
-    if (torch == nullptr) return nullptr;
+    if (torch == nullptr || still_importing(torch)) return nullptr;
     auto attr = [](PyObject* obj, const char* name) {
       PyObject* value = PyObject_GetAttrString(obj, name);
       if (value == nullptr) throw py::error_already_set();
