@@ -18,7 +18,7 @@ import torch
 from pydflash import Dispatcher
 from pydflash.pipeline import EagerTarget, Pipeline
 
-from .models import BlockDrafter, DrafterConfig, HybridTarget, TargetConfig
+from .models import BlockDrafter, DrafterConfig, TargetConfig
 
 StepLosses = Callable[[], list[float]]
 
@@ -53,7 +53,7 @@ class Placement:
 
 @dataclass(frozen=True)
 class Job:
-    target: TargetConfig
+    target: TargetConfig  # anything with vocab, capture_layers and build(dtype)
     drafter: DrafterConfig
     seq: int
     batch: int
@@ -68,7 +68,7 @@ class Job:
 
 @dataclass
 class Models:
-    targets: list[HybridTarget]  # one per target lane (shared by lanes on one device)
+    targets: list[torch.nn.Module]  # one per target lane (shared by lanes on one device)
     drafters: list[torch.nn.Module]  # one per drafter lane, identical replicas
     optimizers: list[torch.optim.Optimizer]
 
@@ -80,10 +80,11 @@ def target_dtype(device: str) -> torch.dtype:
 def build_models(job: Job, placement: Placement, *, ddp: bool = False) -> Models:
     """Fresh models from job.seed: the same weights on every call."""
     torch.manual_seed(job.seed)
-    reference = HybridTarget(job.target).eval().requires_grad_(False)
+    # Built in the first target's dtype: a checkpoint loads once, at the size it runs at.
+    reference = job.target.build(target_dtype(placement.targets[0])).eval().requires_grad_(False)
     torch.manual_seed(job.seed + 1)
     drafter = BlockDrafter(reference, job.drafter)
-    by_device: dict[str, HybridTarget] = {}
+    by_device: dict[str, torch.nn.Module] = {}
     for device in placement.targets:
         if device not in by_device:
             by_device[device] = copy.deepcopy(reference).to(device, target_dtype(device))
@@ -111,7 +112,7 @@ def build_models(job: Job, placement: Placement, *, ddp: bool = False) -> Models
 
 
 # --- the two stages ---------------------------------------------------------------------------
-def target_forward(target: HybridTarget) -> Callable[[dict], dict]:
+def target_forward(target: torch.nn.Module) -> Callable[[dict], dict]:
     def forward(batch: dict) -> dict:
         ids = batch["input_ids"]
         return {"features": target(ids), "input_ids": ids}
