@@ -17,7 +17,7 @@ the section runs the tiny config, eager rows only.
 
     python -m bench.real_target [--quick] [--sizes small,medium] [--lanes 1,2,4]
         [--batch 1] [--seq-small 1024] [--seq-medium 4096] [--reps 20]
-        [--compile-timeout 180] [--compile-sizes small] [--json FILE]
+        [--compile-timeout 180] [--compile-sizes small] [--compile-only] [--json FILE]
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ class Options:
     # limit that keeps the section within 8 minutes on one H200.
     compile_timeout: float | None = None  # seconds (default 180, 60 quick); 0 skips it
     compile_sizes: tuple[str, ...] = ("small",)
+    compile_only: bool = False  # only the torch.compile rows: the whole time limit for them
 
     def seq_of(self, size: str, quick: bool) -> int:
         _, full, short = SIZES[size]
@@ -149,12 +150,14 @@ def make_bench(ctx: Context, options: Options, size: str) -> Bench:
 
 def measure_size(ctx: Context, options: Options, size: str) -> list[Row]:
     bench = make_bench(ctx, options, size)
-    ctx.progress(f"{bench.name}: building the target")
-    models = build_models(bench.job, bench.placement)
-    rows = target_steps(ctx, options, bench, models.targets[0])
-    rows += pipeline_steps(ctx, options, bench, models)
-    del models
-    torch.cuda.empty_cache()  # the compile child needs the memory more than this process
+    rows = []
+    if not options.compile_only:
+        ctx.progress(f"{bench.name}: building the target")
+        models = build_models(bench.job, bench.placement)
+        rows += target_steps(ctx, options, bench, models.targets[0])
+        rows += pipeline_steps(ctx, options, bench, models)
+        del models
+        torch.cuda.empty_cache()  # the compile child needs the memory more than this process
     limit = options.compile_timeout if options.compile_timeout is not None else (
         60.0 if ctx.quick else 180.0)
     if size in options.compile_sizes and limit > 0:
@@ -492,6 +495,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                    help="seconds for the torch.compile subprocess (default 180, 60 quick; 0 skips)")
     p.add_argument("--compile-sizes", type=_names, default=Options.compile_sizes,
                    help="sizes whose forward torch.compile also runs (default: small)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="only the torch.compile rows, for --compile-sizes")
     p.add_argument("--compile-child", choices=list(SIZES), help=argparse.SUPPRESS)
     return p.parse_known_args(argv)
 
@@ -502,6 +507,7 @@ def options_of(args: argparse.Namespace) -> Options:
         seq={size: getattr(args, f"seq_{size}") for size in SIZES}, reps=args.reps,
         pipeline_steps=args.pipeline_steps, accumulate=args.accumulate, ratio=args.ratio,
         moe=args.moe, compile_timeout=args.compile_timeout, compile_sizes=args.compile_sizes,
+        compile_only=args.compile_only,
     )
 
 

@@ -384,3 +384,25 @@ def test_threaded_calls_report_a_failing_or_wrong_callable():
     assert "wrong outputs in threads" in real_target.threaded_calls(bench, flaky, fine, batches)["error"]
     assert real_target.threaded_calls(bench, broken, fine, batches) == {
         "error": "RuntimeError: not thread safe"}
+
+
+def test_compile_only_runs_just_the_compile_child_for_its_sizes(monkeypatch):
+    pytest.importorskip("transformers")
+    from bench import real_target
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("--compile-only builds no target in this process")
+
+    commands = []
+    monkeypatch.setattr(real_target, "build_models", no_build)
+    monkeypatch.setattr(real_target, "compile_child",
+                        lambda command, limit: commands.append((command, limit)) or ({}, "exit 1: boom"))
+    options = real_target.Options(compile_only=True, compile_timeout=5.0)
+    ctx = Context(False, 1, lambda line: None)  # a GPU run, as the parent sees it
+    rows = real_target.measure_size(ctx, options, "small") + real_target.measure_size(ctx, options, "medium")
+    assert [r.name for r in rows] == [
+        "small (qwen3-next-small, 1x1024): torch.compile reduce-overhead",
+        "small (qwen3-next-small, 1x1024): torch.compile reduce-overhead, from 4 threads"]
+    assert rows[0].note == "no step time: after 'start', exit 1: boom"
+    ((command, limit),) = commands
+    assert limit == 5.0 and command[1:5] == ["-m", "bench.real_target", "--compile-child", "small"]
