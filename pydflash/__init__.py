@@ -10,6 +10,8 @@ from .errors import (
     CompileQueueTimeout,
     CudaError,
     GraphCaptureError,
+    GraphFallbackWarning,
+    GraphMemoryError,
     InternalError,
     NativeModuleError,
     PipelineError,
@@ -23,11 +25,15 @@ from .waiting import wait_all
 
 
 def __getattr__(name: str):
-    # Pipeline needs torch; the core does not, so it is imported on first use.
+    # Pipeline and TargetGraphs need torch; the core does not, so it is imported on first use.
     if name == "Pipeline":
         from .pipeline import Pipeline
 
         return Pipeline
+    if name == "TargetGraphs":
+        from .target_graphs import TargetGraphs
+
+        return TargetGraphs
     raise AttributeError(f"module 'pydflash' has no attribute {name!r}")
 
 
@@ -42,12 +48,15 @@ __all__ = [
     "Dispatcher",
     "Future",
     "GraphCaptureError",
+    "GraphFallbackWarning",
+    "GraphMemoryError",
     "InternalError",
     "Lane",
     "NativeModuleError",
     "Pipeline",
     "PipelineError",
     "PydflashError",
+    "TargetGraphs",
     "UnsupportedTritonError",
     "__version__",
     "build_info",

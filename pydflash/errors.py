@@ -31,6 +31,14 @@ class GraphCaptureError(PydflashError, RuntimeError):
     """A CUDA graph could not be captured or launched on a lane."""
 
 
+class GraphMemoryError(PydflashError, RuntimeError):
+    """A graph capture would take a lane's graph pool past its byte cap."""
+
+
+class GraphFallbackWarning(UserWarning):
+    """A target forward that could not be served by a CUDA graph ran eagerly instead."""
+
+
 class PipelineError(PydflashError, RuntimeError):
     """A pipeline stage failed; the message names the stage, microbatch and lane, and
     the original exception is the `__cause__`. `stage`, `microbatch` and `lane` (a lane

@@ -31,6 +31,11 @@ class Lane(concurrent.futures.Executor):
         return self._native.index
 
     @property
+    def label(self) -> str:
+        """'lane N (device)', as task failures and stats name the lane."""
+        return self._native.label
+
+    @property
     def device(self) -> str:
         """'cuda:N' or 'cpu'."""
         return describe(self._native.device)

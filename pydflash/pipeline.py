@@ -70,6 +70,13 @@ class TargetStage:
     def submit(self, lane: Lane, batch: Any) -> Future:
         raise NotImplementedError
 
+    #: Whether results come from buffers the stage reuses once `release` gives them back.
+    recycles = False
+
+    def release(self, result: Any, event: Any) -> None:
+        """Called with a result the drafter is done with once `event` (a torch.cuda.Event)
+        has passed on the GPU; only stages that recycle their buffers act on it."""
+
 
 class EagerTarget(TargetStage):
     """Calls fn(batch) on the lane under torch.no_grad(), the batch's tensors first moved
@@ -118,9 +125,9 @@ class GraphTarget(TargetStage):
 
 
 def _run_target(fn: Callable[[Any], Any], lane: Lane, batch: Any, threads: int) -> Any:
-    _match_intra_op_threads(threads)
+    match_intra_op_threads(threads)
     with torch.no_grad():
-        return fn(_to_lane(batch, lane))
+        return fn(to_lane(batch, lane))
 
 
 def _clone_replay(replay: Future) -> Any:
@@ -371,7 +378,9 @@ class Pipeline:
             self._raise_failure()
         self._track(target, "target", k, t_lane, on_result=lambda f: self._hold(k, _nbytes(f._result)))
         try:
-            drafter = d_lane.submit(self._drafter_task, k, replica, target, t_lane, sync)
+            drafter = d_lane.submit(
+                self._drafter_task, k, replica, target, self._targets[t_index], t_lane, sync
+            )
         except BaseException as exc:
             target.cancel()
             self._release_slot()
@@ -411,10 +420,14 @@ class Pipeline:
         return futures
 
     # --- the lane tasks -----------------------------------------------------------------
-    def _drafter_task(self, k: int, replica: int, target: Future, t_lane: Lane, sync: bool) -> Any:
+    def _drafter_task(
+        self, k: int, replica: int, target: Future, stage: TargetStage, t_lane: Lane, sync: bool
+    ) -> Any:
         lane = self._drafter_lanes[replica]
-        _match_intra_op_threads(self._threads)
+        match_intra_op_threads(self._threads)
         produced = _input_of(target)
+        # A recycled result goes back to its stage once the drafter's GPU work is done.
+        recycled = produced if stage.recycles and lane.is_gpu else None
         try:
             inputs, moved_bytes = _handoff(produced, t_lane, target.event, lane)
         except BaseException as exc:
@@ -438,6 +451,8 @@ class Pipeline:
                 gpu_done.record()
                 with self._cond:
                     self._gpu_done[k] = gpu_done
+                if recycled is not None:
+                    stage.release(recycled, gpu_done)
             return loss.detach()
         except BaseException as exc:
             raise _stage_error("drafter", k, lane, exc) from exc
@@ -445,7 +460,7 @@ class Pipeline:
     def _reduce_task(self, step: int, microbatches: list[Future]) -> list[torch.Tensor | None]:
         for future in microbatches:
             _input_of(future)
-        _match_intra_op_threads(self._threads)
+        match_intra_op_threads(self._threads)
         n_drafters = len(self._drafter_lanes)
         lane0 = self._drafter_lanes[0]
         try:
@@ -473,7 +488,7 @@ class Pipeline:
         params = self._params[replica]
         for future in microbatches:
             _input_of(future)
-        _match_intra_op_threads(self._threads)
+        match_intra_op_threads(self._threads)
         if reduced is not None:
             total = _input_of(reduced)
             try:
@@ -631,8 +646,8 @@ class Pipeline:
                 "hidden_bytes_held": self._held,
                 "hidden_bytes_peak": self._peak,
                 "hidden_bytes_per_microbatch": self._per_microbatch,
-                "target_lanes": [lane._native.label for lane in self._target_lanes],
-                "drafter_lanes": [lane._native.label for lane in self._drafter_lanes],
+                "target_lanes": [lane.label for lane in self._target_lanes],
+                "drafter_lanes": [lane.label for lane in self._drafter_lanes],
                 "peer_copy": _peer_pairs(self._target_lanes, self._drafter_lanes),
             }
 
@@ -686,7 +701,7 @@ def _input_of(future: Future) -> Any:
         raise _Upstream(f"an earlier stage failed: {exc!r}") from None
 
 
-def _to_lane(batch: Any, lane: Lane) -> Any:
+def to_lane(batch: Any, lane: Lane) -> Any:
     if not lane.is_gpu:
         return batch
     device = torch.device(lane.device)
@@ -719,7 +734,7 @@ def _nbytes(obj: Any) -> int:
     return total
 
 
-def _match_intra_op_threads(threads: int) -> None:
+def match_intra_op_threads(threads: int) -> None:
     # A worker keeps the intra-op thread count torch had when it first ran torch code;
     # the caller's count keeps CPU reductions in the caller's order.
     if torch.get_num_threads() != threads:
@@ -732,12 +747,12 @@ def _stage_error(
     if isinstance(exc, PipelineError):
         return exc
     where = f" on microbatch {k}" if k is not None else (f" of step {step}" if step is not None else "")
-    on = f" on {lane._native.label}" if lane is not None else ""
+    on = f" on {lane.label}" if lane is not None else ""
     error = PipelineError(
         f"{stage} stage failed{where}{on}: {type(exc).__name__}: {exc}",
         stage=stage,
         microbatch=k,
-        lane=None if lane is None else lane._native.label,
+        lane=None if lane is None else lane.label,
     )
     error.__cause__ = exc
     return error

@@ -90,6 +90,8 @@ Lane::~Lane() {
     give_back_events();
     return;
   }
+  // A forked child's watcher thread is the parent's: leaked, like the worker.
+  if (forked()) (void)watcher_.release();
   if (forked() || thread_->get_id() == std::this_thread::get_id()) {
     // In a forked child the thread never existed; on the worker itself it cannot be
     // joined. Either way the std::thread is leaked rather than destroyed joinable.
@@ -135,6 +137,11 @@ void Lane::submit(std::shared_ptr<FutureState> future, std::unique_ptr<TaskBody>
 
 void Lane::post_internal(std::unique_ptr<TaskBody> body) {
   queue_.push_internal(Task{nullptr, std::move(body)});
+}
+
+void Lane::when_passed(void* event, DeviceWatcher::Completion done) {
+  if (!watcher_) watcher_ = std::make_unique<DeviceWatcher>(device_);
+  watcher_->watch(event, std::move(done));
 }
 
 void Lane::device_work_finished() {

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/device_watcher.h"
 #include "core/future.h"
 #include "core/task_queue.h"
 
@@ -112,6 +113,9 @@ class Lane : public std::enable_shared_from_this<Lane> {
   /// Work launched on the device whose completion will be posted later.
   void device_work_started() { on_device_.fetch_add(1); }
   void device_work_finished();
+  /// Calls `done` from another thread once `event`, recorded on the lane stream, has
+  /// passed (Note [Completions off the stream]). On the worker only.
+  void when_passed(void* event, DeviceWatcher::Completion done);
 
   /// Closes the queue. With cancel, returns the queued tasks with their futures
   /// cancelled; the caller notifies observers and destroys them (it may hold the GIL).
@@ -161,6 +165,7 @@ class Lane : public std::enable_shared_from_this<Lane> {
   // read it (Note [Finish, then publish]), also after the lane is gone: see in_interpreter_flag().
   std::atomic<bool>& in_interpreter_;
   std::vector<void*> events_;  // result events to reuse; the worker's only
+  std::unique_ptr<DeviceWatcher> watcher_;  // made by the worker on first use
   bool entered_ = false;  // the truth, on the worker thread only
   std::thread* thread_ = nullptr;  // leaked in a forked child: its thread does not exist there
   // Counters on three cache lines, by who writes them, so a submitting thread and the

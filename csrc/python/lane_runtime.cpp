@@ -277,8 +277,8 @@ class PythonTask final : public TaskBody {
 };
 
 // A captured CUDA graph, launched without the GIL. The future completes when the
-// GPU reaches the end of the graph: a host function on the lane stream finishes it,
-// then posts a GraphRelease to drop the graph (and its memory pool) under the GIL.
+// GPU reaches the end of the graph: the lane's device watcher finishes it, then posts
+// a GraphRelease to drop the graph (and its memory pool) under the GIL.
 class GraphTask final : public TaskBody {
  public:
   GraphTask(LaneRuntime& rt, uintptr_t exec, py::object keepalive, py::object future)
@@ -332,9 +332,9 @@ class GraphRelease final : public TaskBody {
   std::unique_ptr<GraphCompletion> done_;
 };
 
-// Runs on a CUDA driver thread: no CUDA calls, no GIL.
-void on_graph_done(void* arg) {
-  auto* done = static_cast<GraphCompletion*>(arg);
+// Runs on the lane's device watcher: no GIL.
+void on_graph_done(GraphCompletion* done, const std::string& error) {
+  if (!error.empty()) done->state->set_native_error(NativeError::Cuda, error);
   done->observed = done->state->finish();
   done->state->publish();
   done->lane->post_internal(std::make_unique<GraphRelease>(done));
@@ -351,13 +351,10 @@ bool GraphTask::run(Lane& lane, FutureState* state) {
   auto* done = new GraphCompletion{&lane, state, keepalive_, future_};
   keepalive_ = future_ = nullptr;
   lane.device_work_started();
-  try {
-    device::launch_host_func(lane.stream(), &on_graph_done, done);
-  } catch (const std::exception&) {
-    // Could not be told when the GPU is done: wait for it here instead.
-    device::synchronize_stream(lane.stream());
-    on_graph_done(done);
-  }
+  // Note [Completions off the stream] in csrc/core/device_watcher.h.
+  lane.when_passed(state->event(), [done, label = rt_.label](const std::string& error) {
+    on_graph_done(done, error.empty() ? error : label + ": " + error);
+  });
   return false;
 }
 

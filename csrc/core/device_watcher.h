@@ -1,0 +1,50 @@
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace pydflash {
+
+// Note [Completions off the stream]: a graph task's future completes when the GPU has
+// run the graph. A host function on the lane stream (cudaLaunchHostFunc) would say when,
+// but the stream cannot start its next work until that function has returned, and CUDA
+// runs the host functions of a device's streams on one thread of its own: every launch
+// then waited for that thread to wake, and lanes waited for each other's callbacks.
+// Instead a watcher thread per lane waits on each launch's event, in launch order, and
+// finishes the futures; the stream never waits for the host.
+
+/// Waits on events of one device in order and calls each one's completion. Calls come
+/// from the watcher's own thread, which touches neither Python nor the lane's queue.
+class DeviceWatcher {
+ public:
+  /// Called once the event has passed, with an empty string, or the CUDA error text.
+  using Completion = std::function<void(const std::string& error)>;
+
+  explicit DeviceWatcher(int device);
+  /// Completes everything watched, then joins the thread.
+  ~DeviceWatcher();
+  DeviceWatcher(const DeviceWatcher&) = delete;
+  DeviceWatcher& operator=(const DeviceWatcher&) = delete;
+
+  void watch(void* event, Completion done);
+
+ private:
+  struct Item {
+    void* event;
+    Completion done;
+  };
+  void main();
+
+  const int device_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Item> items_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace pydflash

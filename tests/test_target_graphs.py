@@ -1,0 +1,365 @@
+"""TargetGraphs: bucketing, padding, fallbacks and the output ring (pydflash/target_graphs.py).
+
+The CPU tests run the bucketed path eagerly on CPU lanes; the GPU tests capture graphs."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import pydflash
+from pydflash import GraphFallbackWarning, GraphMemoryError, TargetGraphs
+from pydflash.target_graphs import Bucket, batch_shape, choose_bucket
+
+
+class CausalToy(torch.nn.Module):
+    """Embedding, a running mean over positions and a linear map: causal, so right padding
+    leaves the real positions' outputs unchanged."""
+
+    def __init__(self, vocab=50, width=16, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, width, dtype=dtype)
+        self.proj = torch.nn.Linear(width, width, dtype=dtype)
+
+    def forward(self, batch):
+        x = self.embed(batch["input_ids"])
+        steps = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=x.dtype)
+        running = x.cumsum(1) / steps[None, :, None]
+        hidden = self.proj(running)
+        return {"hidden": hidden, "input_ids": batch["input_ids"], "first": hidden[:, 0, 0]}
+
+
+def ids_batch(b, t, vocab=50, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(1, vocab, (b, t), generator=g).to(device)}
+
+
+@pytest.fixture
+def cpu_lane():
+    with pydflash.Dispatcher(devices=["cpu"]) as d:
+        yield d.lanes[0]
+
+
+# --- buckets -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "b, t, batch_sizes, expected",
+    [
+        (3, 100, None, Bucket(3, 128)),
+        (3, 128, None, Bucket(3, 128)),
+        (3, 129, None, Bucket(3, 256)),
+        (3, 100, (2, 4, 8), Bucket(4, 128)),
+        (8, 1000, (2, 4, 8), Bucket(8, 1024)),
+        (9, 100, (2, 4, 8), None),
+        (1, 2049, None, None),
+    ],
+)
+def test_choose_bucket_takes_the_smallest_that_holds_the_batch(b, t, batch_sizes, expected):
+    assert choose_bucket(b, t, (128, 256, 1024, 2048), batch_sizes) == expected
+
+
+def test_batch_shape_requires_one_batch_and_length():
+    assert batch_shape([torch.zeros(2, 5), torch.zeros(2), 3]) == (2, 5)
+    with pytest.raises(ValueError, match=r"expected every tensor of the batch as \[2, 5"):
+        batch_shape([torch.zeros(2, 5), torch.zeros(2, 6)])
+    with pytest.raises(ValueError, match="at least one"):
+        batch_shape([torch.zeros(2)])
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"lengths": []}, ValueError, "lengths as positive ints"),
+        ({"lengths": [0, 8]}, ValueError, "lengths as positive ints"),
+        ({"lengths": 7}, TypeError, "lengths as an iterable"),
+        ({"batch_sizes": [-1]}, ValueError, "batch_sizes"),
+        ({"ring": -1}, ValueError, "ring >= 0"),
+        ({"warmup": 1.5}, TypeError, "warmup as an int"),
+        ({"on_full": "drop"}, ValueError, "on_full in"),
+        ({"max_graphs": 0}, ValueError, "max_graphs >= 1"),
+        ({"pad_value": "x"}, TypeError, "pad_value"),
+    ],
+)
+def test_argument_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        TargetGraphs(lambda batch: batch, **kwargs)
+
+
+def test_a_non_callable_target_is_a_type_error():
+    with pytest.raises(TypeError, match="expected a callable target"):
+        TargetGraphs(3)
+
+
+# --- the bucketed path on a CPU lane -------------------------------------------------------
+def test_padded_outputs_equal_eager_and_are_cut_back(cpu_lane):
+    model = CausalToy()
+    target = TargetGraphs(model, lengths=(16, 64), batch_sizes=(4,))
+    for b, t in [(1, 5), (3, 16), (4, 40)]:
+        batch = ids_batch(b, t, seed=t)
+        out = target.submit(cpu_lane, batch).result()
+        with torch.no_grad():
+            expected = model(batch)
+        assert out["hidden"].shape == (b, t, 16) and out["hidden"].is_contiguous()
+        torch.testing.assert_close(out["hidden"], expected["hidden"], rtol=1e-6, atol=1e-6)
+        assert torch.equal(out["input_ids"], batch["input_ids"])
+        assert out["first"].shape == (b,)
+
+
+def test_padding_uses_pad_value_per_key(cpu_lane):
+    seen = []
+
+    def fn(batch):
+        seen.append({k: v.clone() for k, v in batch.items()})
+        return batch["ids"] * 1
+
+    target = TargetGraphs(fn, lengths=(4,), pad_value={"ids": 7, "mask": 0})
+    batch = {"ids": torch.ones(1, 2, dtype=torch.long), "mask": torch.ones(1, 2, dtype=torch.long)}
+    out = target.submit(cpu_lane, batch).result()
+    assert seen[0]["ids"].tolist() == [[1, 1, 7, 7]]
+    assert seen[0]["mask"].tolist() == [[1, 1, 0, 0]]
+    assert out.tolist() == [[1, 1]]
+
+
+def test_a_batch_above_the_largest_bucket_runs_eagerly_and_warns_once(cpu_lane):
+    model = CausalToy()
+    target = TargetGraphs(model, lengths=(8,))
+    batch = ids_batch(2, 20)
+    with pytest.warns(GraphFallbackWarning, match=r"2 x 20 is above the largest bucket \(8\)"):
+        out = target.submit(cpu_lane, batch).result()
+    with torch.no_grad():
+        torch.testing.assert_close(out["hidden"], model(batch)["hidden"])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        target.submit(cpu_lane, ids_batch(2, 30)).result()  # no second warning
+    stats = target.stats()
+    assert stats["lanes"][cpu_lane.label]["eager_runs"] == 2
+    assert sum(stats["fallbacks"].values()) == 2
+
+
+def test_a_task_failure_reaches_the_caller(cpu_lane):
+    def broken(batch):
+        raise ValueError("bad target")
+
+    with pytest.raises(ValueError, match="bad target"):
+        TargetGraphs(broken).submit(cpu_lane, ids_batch(1, 4)).result()
+
+
+def test_release_of_a_cpu_result_is_a_no_op(cpu_lane):
+    target = TargetGraphs(CausalToy())
+    out = target.submit(cpu_lane, ids_batch(1, 4)).result()
+    target.release(out)  # nothing to give back
+    assert target.recycles
+
+
+def test_pipeline_with_a_bucketed_target_matches_the_eager_target():
+    """On CPU lanes the padded path must train exactly as the eager target does."""
+    from pydflash import Pipeline
+
+    def train(target_for):
+        torch.manual_seed(1)
+        model = CausalToy()
+        drafter = torch.nn.Linear(16, 50)
+        opt = torch.optim.SGD(drafter.parameters(), lr=0.1)
+
+        def loss(d, inputs):
+            logits = d(inputs["hidden"])
+            return torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), inputs["input_ids"].flatten())
+
+        batches = [ids_batch(2, t, seed=t) for t in (5, 9, 12, 7, 16, 3)]
+        with pydflash.Dispatcher(devices=["cpu", "cpu"]) as d:
+            pipe = Pipeline(d.lanes[:1], d.lanes[1:], target=target_for(model), drafter=drafter,
+                            loss=loss, optimizer=opt, accumulate=2)
+            return [step.losses() for step in pipe.run(batches)]
+
+    eager = train(lambda model: model)
+    bucketed = train(lambda model: TargetGraphs(model, lengths=(8, 16)))
+    assert eager == bucketed
+
+
+# --- on the GPU ----------------------------------------------------------------------------
+gpu = pytest.mark.gpu
+
+
+@pytest.fixture
+def gpu_lanes():
+    with pydflash.Dispatcher(devices=[0, 0]) as d:
+        yield d.lanes
+
+
+def _slow_consumer_check(lane, target, future, expected_sum, spin_ns):
+    """On `lane`: waits for the target's result on the lane stream, stalls the stream,
+    then sums the result; gives the result back after the sum."""
+    out = future.result()
+    future.wait_stream()
+    pydflash._C.busy_wait(torch.cuda.current_stream().cuda_stream, spin_ns)
+    total = out["hidden"].double().sum()
+    done = torch.cuda.Event()
+    done.record()
+    target.release(out, done)
+    return total, expected_sum
+
+
+@gpu
+def test_gpu_bucket_outputs_equal_eager_in_bf16(gpu_lanes):
+    model = CausalToy(width=64, dtype=torch.bfloat16).cuda()
+    target = TargetGraphs(model, lengths=(64, 256))
+    lane = gpu_lanes[0]
+    for b, t in [(2, 50), (2, 64), (3, 200), (2, 17)]:
+        batch = ids_batch(b, t, device="cuda", seed=t)
+        out = target.submit(lane, batch).wait_stream()
+        with torch.no_grad():
+            expected = model(batch)
+        torch.testing.assert_close(out["hidden"], expected["hidden"], rtol=1.6e-2, atol=1e-2)
+        assert out["hidden"].shape == (b, t, 64)
+        target.release(out)
+    stats = target.stats()["lanes"][lane.label]
+    assert stats["captures"] == 2 and stats["replays"] == 4 and stats["eager_runs"] == 0
+    assert stats["pool_bytes"] > 0
+
+
+@gpu
+def test_gpu_hf_model_buckets_equal_eager(gpu_lanes):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+
+    def forward(batch):
+        out = model(input_ids=batch["input_ids"], output_hidden_states=True, use_cache=False)
+        return torch.cat([out.hidden_states[1], out.hidden_states[2]], dim=-1)
+
+    target = TargetGraphs(forward, lengths=(128, 256))
+    for t in (100, 256, 130):
+        batch = ids_batch(2, t, vocab=128, device="cuda", seed=t)
+        out = target.submit(gpu_lanes[0], batch).wait_stream()
+        with torch.no_grad():
+            expected = forward(batch)
+        torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+    assert target.stats()["lanes"][gpu_lanes[0].label]["eager_runs"] == 0
+
+
+def _host_sync(batch):
+    x = batch["input_ids"].float()
+    if x.sum().item() < 0:  # a host sync: not capturable
+        x = -x
+    return x * 2 + (batch["input_ids"] > 25)
+
+
+def _data_dependent(batch):
+    x = batch["input_ids"]
+    chosen = torch.nonzero(x > 25)  # MoE-style routing: a data-dependent shape
+    out = x.float() * 2
+    out[chosen[:, 0], chosen[:, 1]] += 1
+    return out
+
+
+def _plain(batch):
+    out = batch["input_ids"].float() * 2
+    out[batch["input_ids"] > 25] += 1
+    return out
+
+
+@gpu
+@pytest.mark.parametrize("fn, reason", [(_host_sync, "capture failed"),
+                                        (_data_dependent, "capture failed"),
+                                        (_plain, "above the largest bucket")])
+def test_gpu_every_fallback_runs_eagerly_with_the_right_result(gpu_lanes, fn, reason):
+    target = TargetGraphs(fn, lengths=(32,))
+    t = 40 if fn is _plain else 20
+    batch = ids_batch(2, t, device="cuda")
+    with pytest.warns(GraphFallbackWarning, match=reason):
+        out = target.submit(gpu_lanes[0], batch).wait_stream()
+    expected = batch["input_ids"].float() * 2 + (batch["input_ids"] > 25)
+    assert torch.equal(out, expected)
+    # The lane still works, and a second batch of that bucket goes eagerly without capture.
+    out = target.submit(gpu_lanes[0], batch).wait_stream()
+    assert torch.equal(out, expected)
+    stats = target.stats()["lanes"][gpu_lanes[0].label]
+    assert stats["eager_runs"] == 2 and stats["replays"] == 0
+
+
+@gpu
+def test_gpu_least_recently_used_graphs_are_evicted(gpu_lanes):
+    target = TargetGraphs(CausalToy().cuda(), lengths=(8, 16, 32), max_graphs=2)
+    lane = gpu_lanes[0]
+    for t in (8, 16, 8, 32):  # 16 is the least recently used when 32 comes
+        target.release(target.submit(lane, ids_batch(1, t, device="cuda")).wait_stream())
+    stats = target.stats()["lanes"][lane.label]
+    assert stats["evictions"] == 1 and sorted(stats["buckets"]) == [(1, 8), (1, 32)]
+    out = target.submit(lane, ids_batch(1, 16, device="cuda", seed=3)).wait_stream()
+    with torch.no_grad():
+        expected = target.fn(ids_batch(1, 16, device="cuda", seed=3))["hidden"]
+    torch.testing.assert_close(out["hidden"], expected)
+    assert target.stats()["lanes"][lane.label]["captures"] == 4
+
+
+@gpu
+def test_gpu_memory_cap_refuses_or_falls_back(gpu_lanes):
+    batch = ids_batch(2, 16, device="cuda")
+    capped = TargetGraphs(CausalToy().cuda(), lengths=(16,), max_pool_bytes=1, on_full="raise")
+    with pytest.raises(GraphMemoryError, match="max_pool_bytes=1"):
+        capped.submit(gpu_lanes[0], batch).result()
+    fallback = TargetGraphs(CausalToy().cuda(), lengths=(16,), max_pool_bytes=1)
+    with pytest.warns(GraphFallbackWarning, match="max_pool_bytes=1"):
+        out = fallback.submit(gpu_lanes[0], batch).wait_stream()
+    with torch.no_grad():
+        torch.testing.assert_close(out["hidden"], fallback.fn(batch)["hidden"])
+    assert fallback.stats()["lanes"][gpu_lanes[0].label]["buckets"] == []
+
+
+@gpu
+def test_gpu_ring_never_hands_out_a_buffer_still_being_read(gpu_lanes):
+    """The consumer stalls its stream before reading each result; the target lane runs
+    far ahead. A ring buffer reused before the consumer's read would change the sums."""
+    model = CausalToy(width=64).cuda()
+    target = TargetGraphs(model, lengths=(32,), ring=2)
+    producer, consumer = gpu_lanes
+    batches = [ids_batch(2, 32, device="cuda", seed=k) for k in range(24)]
+    with torch.no_grad():
+        expected = [model(b)["hidden"].double().sum() for b in batches]
+    target.warmup([producer], batches[0])
+    checks = []
+    for k, batch in enumerate(batches):
+        future = target.submit(producer, batch)
+        checks.append(consumer.submit(_slow_consumer_check, consumer, target, future,
+                                      expected[k], 2_000_000))
+    results = [f.wait_stream() for f in checks]
+    for total, want in results:
+        torch.testing.assert_close(total, want)
+    stats = target.stats()["lanes"][producer.label]
+    assert stats["replays"] == len(batches) + 1
+    assert stats["ring_misses"] < len(batches)  # the ring was really reused
+
+
+@gpu
+def test_gpu_two_lanes_capture_one_bucket_in_turn(gpu_lanes):
+    model = CausalToy(width=32).cuda()
+    target = TargetGraphs(model, lengths=(64,))
+    start = threading.Barrier(2)
+    batch = ids_batch(4, 60, device="cuda")
+
+    def go(lane):
+        start.wait()
+        return target.submit(lane, batch).wait_stream()
+
+    outs = [None, None]
+    threads = [threading.Thread(target=lambda i=i: outs.__setitem__(i, go(gpu_lanes[i])))
+               for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        expected = model(batch)["hidden"]
+    for out in outs:
+        torch.testing.assert_close(out["hidden"], expected)
+    stats = target.stats()["lanes"]
+    assert [s["captures"] for s in stats.values()] == [1, 1]
