@@ -345,7 +345,8 @@ def compiled_rows(ctx: Context, options: Options, bench: Bench, size: str, limit
         rows.append(compare(
             SECTION, name, step["compiled_ms"], "ms", "eager, same process", step["eager_ms"],
             note=f"first call (compile and capture) {report['first_call_s']:.1f} s; "
-                 f"{bench.rate(step['compiled_ms'] / 1e3, 1)}",
+                 f"{bench.rate(step['compiled_ms'] / 1e3, 1)}"
+                 + (f"; {report['cudagraphs_skipped']}" if "cudagraphs_skipped" in report else ""),
             first_call_s=report["first_call_s"]))
     threads_report = report.get("threads")
     if threads_report is None:
@@ -378,12 +379,16 @@ def compile_child(command: list[str], limit: float) -> tuple[dict[str, Any], str
             failure = f"exit {proc.returncode}: {lines[-1] if lines else 'no message'}"
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        out, err = proc.communicate()
         failure = f"still running at the {limit:.0f} s limit"
     report: dict[str, Any] = {}
     for line in out.splitlines():
         if line.startswith("{"):
             report.update(json.loads(line))
+    # Inductor logs, and runs on without graphs, when it cannot use CUDA graphs.
+    skipped = [line.strip() for line in err.splitlines() if "skipping cudagraphs" in line.lower()]
+    if skipped:
+        report["cudagraphs_skipped"] = skipped[0][:300]
     return report, failure
 
 

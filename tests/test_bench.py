@@ -327,6 +327,11 @@ def test_compile_child_is_killed_at_its_limit_and_reports_how_far_it_got():
     crash = "import sys; sys.exit('RuntimeError: no compiler')"
     report, failure = compile_child([sys.executable, "-c", crash], limit=30)
     assert report == {} and failure == "exit 1: RuntimeError: no compiler"
+    no_graphs = ("import json, sys; print('skipping cudagraphs due to mutated inputs', file=sys.stderr);"
+                 " print(json.dumps({'phase': 'timed'}))")
+    report, failure = compile_child([sys.executable, "-c", no_graphs], limit=30)
+    assert failure is None
+    assert report == {"phase": "timed", "cudagraphs_skipped": "skipping cudagraphs due to mutated inputs"}
 
 
 @pytest.mark.parametrize(("report", "failure", "first", "second"), [
@@ -336,7 +341,8 @@ def test_compile_child_is_killed_at_its_limit_and_reports_how_far_it_got():
       "threads": {"error": "AssertionError: not thread safe"}}, None, None,
      "fails: AssertionError: not thread safe"),
     ({"phase": "threads", "first_call_s": 40.0, "step": {"compiled_ms": 2.0, "eager_ms": 8.0},
-      "threads": {"error": None, "compiled_ms": 6.0, "eager_ms": 30.0}}, None, None, None),
+      "threads": {"error": None, "compiled_ms": 6.0, "eager_ms": 30.0},
+      "cudagraphs_skipped": "skipping cudagraphs due to cpu device"}, None, None, None),
 ])
 def test_compile_rows_say_what_the_child_reached(monkeypatch, report, failure, first, second):
     pytest.importorskip("transformers")
@@ -351,6 +357,8 @@ def test_compile_rows_say_what_the_child_reached(monkeypatch, report, failure, f
         assert compiled.note == first
     else:
         assert compiled.ratio == 0.25 and compiled.extra["first_call_s"] == 40.0
+        assert compiled.note.startswith("first call (compile and capture) 40.0 s")
+        assert compiled.note.endswith("skipping cudagraphs due to cpu device") == ("cudagraphs_skipped" in report)
     if second:
         assert threaded.note.startswith(second)
     else:
