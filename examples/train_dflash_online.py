@@ -119,7 +119,8 @@ def make_target(args: argparse.Namespace) -> TargetConfig | HFTargetConfig:
             return HFTargetConfig.load(args.target_model or args.target_config,
                                        args.target_layers, moe=args.moe)
         except ModuleNotFoundError as exc:
-            raise SystemExit(f"a Hugging Face target needs {exc.name}: pip install 'pydflash[hf]'") from exc
+            raise SystemExit(
+                f"a Hugging Face target needs {exc.name}: pip install 'pydflash[hf]'") from exc
         except (OSError, ValueError) as exc:
             raise SystemExit(f"cannot use that target: {exc}") from exc
     target = TINY_TARGET if args.tiny else TargetConfig()

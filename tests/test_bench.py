@@ -358,7 +358,8 @@ def test_compile_rows_say_what_the_child_reached(monkeypatch, report, failure, f
     else:
         assert compiled.ratio == 0.25 and compiled.extra["first_call_s"] == 40.0
         assert compiled.note.startswith("first call (compile and capture) 40.0 s")
-        assert compiled.note.endswith("skipping cudagraphs due to cpu device") == ("cudagraphs_skipped" in report)
+        skipped = compiled.note.endswith("skipping cudagraphs due to cpu device")
+        assert skipped == ("cudagraphs_skipped" in report)
     if second:
         assert threaded.note.startswith(second)
     else:
@@ -407,7 +408,7 @@ def test_compile_only_runs_just_the_compile_child_for_its_sizes(monkeypatch):
                         lambda command, limit: commands.append((command, limit)) or ({}, "exit 1: boom"))
     options = real_target.Options(compile_only=True, compile_timeout=5.0)
     ctx = Context(False, 1, lambda line: None)  # a GPU run, as the parent sees it
-    rows = real_target.measure_size(ctx, options, "small") + real_target.measure_size(ctx, options, "medium")
+    rows = [row for size in ("small", "medium") for row in real_target.measure_size(ctx, options, size)]
     assert [r.name for r in rows] == [
         "small (qwen3-next-small, 1x1024): torch.compile reduce-overhead",
         "small (qwen3-next-small, 1x1024): torch.compile reduce-overhead, from 4 threads"]

@@ -62,7 +62,7 @@ def test_layer_choice_and_parsing():
 def test_config_names_and_checkpoints_are_checked(checkpoint, tmp_path):
     with pytest.raises(ValueError, match=r"expected target layers in \[0, 4\), got \(1, 4\)"):
         HFTargetConfig.load(TINY, (1, 4))
-    with pytest.raises(ValueError, match="expected a local checkpoint directory or one of qwen3-next-tiny"):
+    with pytest.raises(ValueError, match="expected a local checkpoint directory or one of qwen3-"):
         HFTargetConfig.load(tmp_path / "missing")
     with pytest.raises(ValueError, match="expected --moe only with a Qwen3-Next config name"):
         HFTargetConfig.load(checkpoint, moe=True)
