@@ -118,6 +118,7 @@ class Context:
     gpus: int  # visible CUDA devices (0: CPU lanes only)
     progress: Callable[[str], None]  # one-line status for the progress display
     artifacts: dict[str, Any] = field(default_factory=dict)  # e.g. traces for the plot
+    options: Any = None  # a section's own settings, from its command line (python -m bench.<name>)
 
     def reps(self, full: int, quick: int) -> int:
         return quick if self.quick else full

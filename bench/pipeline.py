@@ -54,10 +54,14 @@ class Setup:
     reps: int
     warmup: int  # untimed steps first
     on_gpu: bool
+    _made: list[dict] = dataclasses.field(default_factory=list, repr=False)
 
     def batches(self, count: int) -> list[dict]:
-        data = MarkovTokens(self.job.target.vocab, self.job.seq, self.job.batch, seed=self.job.seed)
-        return data.batches(0, count, pin=self.on_gpu)
+        # Made once and reused by every loop: long sequences take seconds to generate.
+        if len(self._made) < count:
+            data = MarkovTokens(self.job.target.vocab, self.job.seq, self.job.batch, seed=self.job.seed)
+            self._made = data.batches(0, count, pin=self.on_gpu)
+        return self._made[:count]
 
 
 def make_setup(ctx: Context) -> Setup:

@@ -32,7 +32,7 @@ if not __package__:
 from . import report
 from .common import Context, Row, meets
 
-SECTIONS = ("dispatch", "overlap", "launch_bound", "compile_queue", "pipeline")
+SECTIONS = ("dispatch", "overlap", "launch_bound", "compile_queue", "pipeline", "real_target")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -141,7 +141,9 @@ def _status_row(section: str, status: str, reason: str) -> Row:
     return Row(section, f"section {status}", None, "", note=reason, extra={"status": status})
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, options: Any = None) -> int:
+    """`options` reaches the sections as ctx.options: a section's own command line
+    passes its settings through here."""
     args = parse_args(argv)
     if args.plot and (why := report.matplotlib_missing()):
         print(why, file=sys.stderr)
@@ -149,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     progress = Progress()
     header = machine()
-    ctx = Context(quick=args.quick, gpus=header["gpus_used"], progress=progress)
+    ctx = Context(quick=args.quick, gpus=header["gpus_used"], progress=progress, options=options)
     rows: list[Row] = []
     sections: dict[str, dict[str, Any]] = {}
     for position, name in enumerate(args.sections, 1):

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# What CI cannot show, on one GPU with two lanes (about 3 minutes on an H200):
+# What CI cannot show, on one GPU with two lanes (about 4 minutes on an H200):
 #   1. the GPU tests: the handoff waits for the target's kernels, pipeline losses on GPU
 #      lanes match a loop, flash-linear-attention's kernel matches the torch recurrence;
 #   2. the example with --check: pipeline losses vs the sequential loop, within bf16
-#      tolerance, at the default sizes;
+#      tolerance, at the default sizes, and again with a Hugging Face Qwen3-Next target
+#      replayed as CUDA graphs (needs transformers);
 #   3. benchmark section 5: step time of the pipeline, the sequential loop, the executor
 #      loop and each stage alone, and the hidden-state bytes held at each depth.
 # Usage: bash examples/gpu_check.sh        (OUT_DIR=... to choose where results go)
@@ -24,6 +25,8 @@ run() {
 run python3 -m pytest -q -m gpu tests/test_pipeline.py tests/test_example.py
 run python3 examples/train_dflash_online.py --devices cuda:0 --ratio 1:1 --check \
   --steps 30 --log-every 10 --out "$out"
+run python3 examples/train_dflash_online.py --devices cuda:0 --ratio 1:1 --check \
+  --target-config qwen3-next-small --target-graphs --steps 20 --log-every 10 --out "$out/hf"
 run python3 -m bench.pipeline --quick --json "$out/bench_pipeline.json"
 echo "results in $out"
 exit $failed

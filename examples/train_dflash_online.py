@@ -6,6 +6,12 @@ target forward and the drafter's training overlapped on pydflash lanes.
     python examples/train_dflash_online.py --devices cuda:0 cuda:1 cuda:2 --ratio 2:1
     torchrun --nproc-per-node 2 examples/train_dflash_online.py --tiny     # a DDP drafter
     python examples/train_dflash_online.py --tiny --check                  # == a sequential loop
+    python examples/train_dflash_online.py --target-config qwen3-next-small --target-graphs
+    python examples/train_dflash_online.py --target-model ./my-checkpoint --target-layers 2,12,20
+
+The target is the built-in hybrid model unless --target-model (a local Hugging Face
+causal LM, never downloaded) or --target-config (a Qwen3-Next with random weights, needs
+transformers) picks another; --target-graphs replays its forward as CUDA graphs.
 
 Prints a progress bar, the loss and tokens/s every --log-every steps, and writes
 loss_curve.png and summary.json to --out.
@@ -28,6 +34,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from dflash.data import MarkovTokens  # noqa: E402
+from dflash.hf import QWEN3_NEXT, HFTargetConfig, parse_layers  # noqa: E402
 from dflash.loops import (  # noqa: E402
     Job,
     Models,
@@ -63,6 +70,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, help="target layers")
     p.add_argument("--heads", type=int)
     p.add_argument("--head-dim", type=int)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--target-model", type=Path, metavar="PATH",
+                        help="a local Hugging Face causal LM as the target (from_pretrained, no download)")
+    source.add_argument("--target-config", choices=list(QWEN3_NEXT),
+                        help="a Qwen3-Next target built from this config, with random weights")
+    p.add_argument("--moe", action="store_true", help="--target-config with MoE blocks, not a dense MLP")
+    p.add_argument("--target-layers", type=layer_list, metavar="I,J,...",
+                   help="target layers whose outputs are the drafter's features (0-based)")
+    p.add_argument("--target-graphs", action="store_true",
+                   help="replay the target forward as CUDA graphs (pydflash.TargetGraphs)")
     p.add_argument("--drafter-layers", type=int)
     p.add_argument("--block", type=int, help="drafter block size (anchor + predictions)")
     p.add_argument("--lr", type=float)
@@ -78,20 +95,55 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.target_model or args.target_config:
+        for name in ("vocab", "dim", "layers"):
+            if getattr(args, name) is not None:
+                p.error(f"--{name} sizes the built-in target; a Hugging Face target has its own")
+    if args.moe and not args.target_config:
+        p.error("--moe applies to --target-config")
+    if args.target_graphs and args.mode != "pipeline":
+        p.error(f"--target-graphs runs the target on pipeline lanes: use --mode pipeline, not {args.mode}")
     return args
 
 
-def make_job(args: argparse.Namespace) -> tuple[Job, int]:
+def layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return parse_layers(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def make_target(args: argparse.Namespace) -> TargetConfig | HFTargetConfig:
+    if args.target_model or args.target_config:
+        try:
+            return HFTargetConfig.load(args.target_model or args.target_config,
+                                       args.target_layers, moe=args.moe)
+        except ModuleNotFoundError as exc:
+            raise SystemExit(
+                f"a Hugging Face target needs {exc.name}: pip install 'pydflash[hf]'") from exc
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"cannot use that target: {exc}") from exc
     target = TINY_TARGET if args.tiny else TargetConfig()
-    drafter = TINY_DRAFTER if args.tiny else DrafterConfig()
     target = dataclasses.replace(
         target,
         **{k: v for k, v in {"vocab": args.vocab, "dim": args.dim, "layers": args.layers,
                              "heads": args.heads, "head_dim": args.head_dim}.items() if v is not None},
     )
-    if args.layers is not None:
+    if args.target_layers is not None:
+        capture = args.target_layers
+    elif args.layers is not None:
         capture = sorted({min(i, target.layers - 1) for i in target.capture_layers})
-        target = dataclasses.replace(target, capture_layers=tuple(capture))
+    else:
+        return target
+    try:
+        return dataclasses.replace(target, capture_layers=tuple(capture))
+    except ValueError as exc:
+        raise SystemExit(f"--target-layers: {exc}") from exc
+
+
+def make_job(args: argparse.Namespace) -> tuple[Job, int]:
+    target = make_target(args)
+    drafter = TINY_DRAFTER if args.tiny else DrafterConfig()
     drafter = dataclasses.replace(
         drafter,
         **{k: v for k, v in {"layers": args.drafter_layers, "block": args.block,
@@ -157,6 +209,7 @@ class Outcome:
     wall_s: float
     models: Models
     pipeline_stats: dict | None = None
+    graph_stats: list[dict] | None = None  # per TargetGraphs, with --target-graphs
 
 
 def synchronize(placement: Placement) -> None:
@@ -167,12 +220,12 @@ def synchronize(placement: Placement) -> None:
 
 def train(mode: str, job: Job, placement: Placement, batches: list[dict], steps: int,
           depth: int, *, ddp: bool, log_every: int, progress: Progress,
-          trace: Path | None = None) -> Outcome:
+          trace: Path | None = None, graphs: bool = False) -> Outcome:
     models = build_models(job, placement, ddp=ddp)
     warm = MarkovTokens(job.target.vocab, job.seq, job.batch, seed=job.seed + 1).batch(0)
     loop = None
     if mode == "pipeline":
-        loop = PipelineLoop(models, placement, job, depth, trace=trace is not None)
+        loop = PipelineLoop(models, placement, job, depth, trace=trace is not None, graphs=graphs)
         loop.warm_up(warm)
         step_iter = loop.steps(batches, steps)
     else:
@@ -204,12 +257,13 @@ def train(mode: str, job: Job, placement: Placement, batches: list[dict], steps:
         wall = time.perf_counter() - start
     finally:
         stats = loop.pipe.stats() if loop is not None else None
+        graph_stats = loop.graph_stats() if loop is not None and graphs else None
         if loop is not None:
             if trace is not None:
                 loop.dispatcher.export_trace(trace)
             loop.close()
         progress.close()
-    return Outcome(mode, [f() for f in collected], wall, models, stats)
+    return Outcome(mode, [f() for f in collected], wall, models, stats, graph_stats)
 
 
 def drafter_state(models: Models) -> dict[str, torch.Tensor]:
@@ -283,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     progress = Progress(steps, enabled=rank == 0)
     kwargs = dict(ddp=ddp, log_every=args.log_every, progress=progress)
     trace = None if args.trace is None or rank else args.trace
-    outcome = train(args.mode, job, placement, batches, steps, args.depth, trace=trace, **kwargs)
+    outcome = train(args.mode, job, placement, batches, steps, args.depth, trace=trace,
+                    graphs=args.target_graphs, **kwargs)
     curves = {outcome.mode: [sum(s) / len(s) for s in outcome.losses]}
     status = 0
     check_line = None
@@ -305,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         "world": world,
         "targets": list(placement.targets),
         "drafters": list(placement.drafters),
+        "target": "built-in hybrid" if isinstance(job.target, TargetConfig) else job.target.source,
+        "target_layers": list(job.target.capture_layers),
+        "target_graphs": outcome.graph_stats,
         "steps": steps,
         "tokens_per_step": job.tokens_per_step,
         "step_time_s": outcome.wall_s / steps,
@@ -328,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             stats = outcome.pipeline_stats
             print(f"hidden states held: peak {stats['hidden_bytes_peak']:,} bytes at depth "
                   f"{stats['depth']} ({stats['hidden_bytes_per_microbatch']:,} per microbatch)")
+        for graph_stats in outcome.graph_stats or ():
+            print(f"target graphs: {json.dumps(graph_stats)}")
         if not args.no_plot and plot(curves, args.out / "loss_curve.png"):
             print(f"wrote {args.out / 'loss_curve.png'}")
     if ddp:

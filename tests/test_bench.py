@@ -10,6 +10,7 @@ import json
 import math
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 
 import pydflash
 from bench import report, run
-from bench.common import Row, compare, meets, not_run, parse_target
+from bench.common import Context, Row, compare, meets, not_run, parse_target
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURED_SECTIONS = ("dispatch", "overlap", "launch_bound")
@@ -271,3 +272,161 @@ def test_plot_is_written_with_nothing_measured(tmp_path):
     rows = [not_run("s", "gpu only", "needs a GPU", "ratio <= 0.25")]
     report.plot(synthetic_result(rows), rows, None, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC
+
+
+# --- the real-target section --------------------------------------------------------------
+
+
+def test_pipeline_setup_makes_its_batches_once():
+    from bench.pipeline import Setup
+    from examples.dflash.loops import Job, Placement
+    from examples.dflash.models import TINY_DRAFTER, TINY_TARGET
+
+    job = Job(TINY_TARGET, TINY_DRAFTER, seq=8, batch=1, accumulate=1, lr=0.1)
+    setup = Setup(job, Placement(("cpu",), ("cpu",)), steps=1, reps=1, warmup=0, on_gpu=False)
+    first = setup.batches(3)
+    assert setup.batches(2)[1] is first[1]  # reused, not made again
+    more = setup.batches(4)
+    assert len(more) == 4 and all(a["input_ids"].equal(b["input_ids"]) for a, b in zip(first, more))
+
+
+@pytest.fixture(scope="module")
+def real_target_run(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from bench import real_target
+
+    path = tmp_path_factory.mktemp("real_target") / "r.json"
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = real_target.main(["--quick", "--lanes", "1,2", "--compile-timeout", "0",
+                                 "--json", str(path)])
+    return {"code": code, "out": out.getvalue(), "err": err.getvalue(), "result": strict_json(path)}
+
+
+def test_real_target_section_measures_the_eager_rows(real_target_run):
+    assert real_target_run["code"] == 0, real_target_run["err"]
+    result = real_target_run["result"]
+    assert result["sections"]["real_target"]["status"] == "ok"
+    rows = {r["name"]: Row(**r) for r in result["rows"]}
+    gpu = result["header"]["gpus_used"]
+    size = "small (qwen3-next-small, 1x1024)" if gpu else "tiny (qwen3-next-tiny, 2x32)"
+    for lanes in ("1 lane", "2 lanes"):  # --lanes reached the section
+        for alternative in ("ThreadPoolExecutor + streams", "eager lanes"):
+            row = rows[f"{size}, {lanes}: target step, {alternative}"]
+            assert row.measured and row.baseline_name == "eager sequential"
+            assert "samples/s" in row.note and "tokens/s" in row.note
+    row = rows[f"{size}: pipeline step, eager target"]
+    assert row.measured and row.baseline_name == "ThreadPoolExecutor loop, eager target"
+    if gpu:
+        return
+    for name in (f"{size}, 2 lanes: target step, graph lanes", f"{size}: pipeline step, graph target",
+                 f"{size}: torch.compile reduce-overhead"):
+        assert not rows[name].measured and "needs a GPU" in rows[name].note
+    assert rows[f"{size}: pipeline step, graph target"].target == "<= 0.5"
+
+
+def test_real_target_section_is_not_run_without_transformers(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import raises ModuleNotFoundError
+    code, out, _ = call_main(["--quick", "--sections", "real_target", "--json", str(tmp_path / "r.json")])
+    assert code == 0
+    status = strict_json(tmp_path / "r.json")["sections"]["real_target"]
+    assert status == {"status": "not run", "reason": "needs transformers, which is not installed"}
+
+
+def test_compile_child_is_killed_at_its_limit_and_reports_how_far_it_got():
+    from bench.real_target import compile_child
+
+    sleeper = "import json, time; print(json.dumps({'phase': 'built'}), flush=True); time.sleep(60)"
+    report, failure = compile_child([sys.executable, "-c", sleeper], limit=2)
+    assert report == {"phase": "built"} and failure == "still running at the 2 s limit"
+    crash = "import sys; sys.exit('RuntimeError: no compiler')"
+    report, failure = compile_child([sys.executable, "-c", crash], limit=30)
+    assert report == {} and failure == "exit 1: RuntimeError: no compiler"
+    no_graphs = ("import json, sys; print('skipping cudagraphs due to mutated inputs', file=sys.stderr);"
+                 " print(json.dumps({'phase': 'timed'}))")
+    report, failure = compile_child([sys.executable, "-c", no_graphs], limit=30)
+    assert failure is None
+    assert report == {"phase": "timed", "cudagraphs_skipped": "skipping cudagraphs due to mutated inputs"}
+
+
+@pytest.mark.parametrize(("report", "failure", "first", "second"), [
+    ({"phase": "built"}, "still running at the 300 s limit",
+     "no step time: after 'built', still running at the 300 s limit", "not reached"),
+    ({"phase": "threads", "first_call_s": 40.0, "step": {"compiled_ms": 2.0, "eager_ms": 8.0},
+      "threads": {"error": "AssertionError: not thread safe"}}, None, None,
+     "fails: AssertionError: not thread safe"),
+    ({"phase": "threads", "first_call_s": 40.0, "step": {"compiled_ms": 2.0, "eager_ms": 8.0},
+      "threads": {"error": None, "compiled_ms": 6.0, "eager_ms": 30.0},
+      "cudagraphs_skipped": "skipping cudagraphs due to cpu device"}, None, None, None),
+])
+def test_compile_rows_say_what_the_child_reached(monkeypatch, report, failure, first, second):
+    pytest.importorskip("transformers")
+    from bench import real_target
+
+    monkeypatch.setattr(real_target, "compile_child", lambda command, limit: (report, failure))
+    bench = real_target.make_bench(Context(True, 0, print), real_target.Options(), "tiny")
+    compiled, threaded = real_target.compiled_rows(
+        Context(True, 0, lambda line: None), real_target.Options(), bench, "small", 300)
+    assert compiled.measured == (first is None) and threaded.measured == (second is None)
+    if first:
+        assert compiled.note == first
+    else:
+        assert compiled.ratio == 0.25 and compiled.extra["first_call_s"] == 40.0
+        assert compiled.note.startswith("first call (compile and capture) 40.0 s")
+        skipped = compiled.note.endswith("skipping cudagraphs due to cpu device")
+        assert skipped == ("cudagraphs_skipped" in report)
+    if second:
+        assert threaded.note.startswith(second)
+    else:
+        assert threaded.ratio == pytest.approx(0.2) and "4 threads at once" in threaded.note
+
+
+def test_threaded_calls_report_a_failing_or_wrong_callable():
+    pytest.importorskip("transformers")
+    import torch
+
+    from bench import real_target
+
+    bench = real_target.make_bench(Context(True, 0, print), real_target.Options(), "tiny")
+    batches = bench.batches(3)
+    features = {id(b): torch.full((1,), float(i)) for i, b in enumerate(batches)}
+    calls = []
+
+    def fine(batch):
+        return {"features": features[id(batch)]}
+
+    def flaky(batch):  # right on one thread, another batch's output on several
+        calls.append(batch)
+        return {"features": features[id(calls[-1 if len(calls) <= 3 else 0])]}
+
+    def broken(batch):  # right on the main thread only
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("not thread safe\nsecond line")
+        return fine(batch)
+
+    assert real_target.threaded_calls(bench, fine, fine, batches)["error"] is None
+    assert "wrong outputs in threads" in real_target.threaded_calls(bench, flaky, fine, batches)["error"]
+    assert real_target.threaded_calls(bench, broken, fine, batches) == {
+        "error": "RuntimeError: not thread safe"}
+
+
+def test_compile_only_runs_just_the_compile_child_for_its_sizes(monkeypatch):
+    pytest.importorskip("transformers")
+    from bench import real_target
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("--compile-only builds no target in this process")
+
+    commands = []
+    monkeypatch.setattr(real_target, "build_models", no_build)
+    monkeypatch.setattr(real_target, "compile_child",
+                        lambda command, limit: commands.append((command, limit)) or ({}, "exit 1: boom"))
+    options = real_target.Options(compile_only=True, compile_timeout=5.0)
+    ctx = Context(False, 1, lambda line: None)  # a GPU run, as the parent sees it
+    rows = [row for size in ("small", "medium") for row in real_target.measure_size(ctx, options, size)]
+    assert [r.name for r in rows] == [
+        "small (qwen3-next-small, 1x1024): torch.compile reduce-overhead",
+        "small (qwen3-next-small, 1x1024): torch.compile reduce-overhead, from 4 threads"]
+    assert rows[0].note == "no step time: after 'start', exit 1: boom"
+    ((command, limit),) = commands
+    assert limit == 5.0 and command[1:5] == ["-m", "bench.real_target", "--compile-child", "small"]

@@ -11,14 +11,17 @@ import contextlib
 import copy
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
-from pydflash import Dispatcher
-from pydflash.pipeline import EagerTarget, Pipeline
+from pydflash import Dispatcher, TargetGraphs
+from pydflash.pipeline import EagerTarget, Pipeline, TargetStage
 
-from .models import BlockDrafter, DrafterConfig, HybridTarget, TargetConfig
+from .models import BlockDrafter, DrafterConfig, TargetConfig
+
+if TYPE_CHECKING:
+    from .hf import HFTargetConfig
 
 StepLosses = Callable[[], list[float]]
 
@@ -53,7 +56,7 @@ class Placement:
 
 @dataclass(frozen=True)
 class Job:
-    target: TargetConfig
+    target: TargetConfig | HFTargetConfig  # the built-in hybrid target or a Hugging Face one
     drafter: DrafterConfig
     seq: int
     batch: int
@@ -68,7 +71,7 @@ class Job:
 
 @dataclass
 class Models:
-    targets: list[HybridTarget]  # one per target lane (shared by lanes on one device)
+    targets: list[torch.nn.Module]  # one per target lane (shared by lanes on one device)
     drafters: list[torch.nn.Module]  # one per drafter lane, identical replicas
     optimizers: list[torch.optim.Optimizer]
 
@@ -80,10 +83,11 @@ def target_dtype(device: str) -> torch.dtype:
 def build_models(job: Job, placement: Placement, *, ddp: bool = False) -> Models:
     """Fresh models from job.seed: the same weights on every call."""
     torch.manual_seed(job.seed)
-    reference = HybridTarget(job.target).eval().requires_grad_(False)
+    # Built in the first target's dtype: a checkpoint loads once, at the size it runs at.
+    reference = job.target.build(target_dtype(placement.targets[0])).eval().requires_grad_(False)
     torch.manual_seed(job.seed + 1)
     drafter = BlockDrafter(reference, job.drafter)
-    by_device: dict[str, HybridTarget] = {}
+    by_device: dict[str, torch.nn.Module] = {}
     for device in placement.targets:
         if device not in by_device:
             by_device[device] = copy.deepcopy(reference).to(device, target_dtype(device))
@@ -111,7 +115,7 @@ def build_models(job: Job, placement: Placement, *, ddp: bool = False) -> Models
 
 
 # --- the two stages ---------------------------------------------------------------------------
-def target_forward(target: HybridTarget) -> Callable[[dict], dict]:
+def target_forward(target: torch.nn.Module) -> Callable[[dict], dict]:
     def forward(batch: dict) -> dict:
         ids = batch["input_ids"]
         return {"features": target(ids), "input_ids": ids}
@@ -213,15 +217,22 @@ def executor_steps(models: Models, placement: Placement, job: Job, batches: Iter
 
 
 class PipelineLoop:
-    """The pydflash pipeline over a Dispatcher with one lane per placement entry."""
+    """The pydflash pipeline over a Dispatcher with one lane per placement entry. With
+    `graphs`, each target model's forward is one TargetGraphs for the lanes that share
+    the model (one device): it replays CUDA graphs per shape bucket on GPU lanes."""
 
     def __init__(self, models: Models, placement: Placement, job: Job, depth: int,
-                 *, trace: bool = False) -> None:
+                 *, trace: bool = False, graphs: bool = False) -> None:
         self.dispatcher = Dispatcher(placement.lanes, trace=trace)
         lanes = self.dispatcher.lanes
         n_targets = len(placement.targets)
         self.target_lanes = lanes[:n_targets]
-        self.targets = [EagerTarget(target_forward(t)) for t in models.targets]
+        stage = TargetGraphs if graphs else EagerTarget
+        by_model: dict[int, TargetStage] = {}
+        for t in models.targets:
+            if id(t) not in by_model:
+                by_model[id(t)] = stage(target_forward(t))
+        self.targets = [by_model[id(t)] for t in models.targets]
         self.pipe = Pipeline(
             self.target_lanes,
             lanes[n_targets:],
@@ -235,9 +246,18 @@ class PipelineLoop:
 
     def warm_up(self, batch: dict) -> None:
         """One target forward per target lane, one lane at a time: Triton compiles and
-        autotunes before any two lanes could do it at once."""
+        autotunes before any two lanes could do it at once. Graph targets capture the
+        batch's bucket on each lane here, outside the timed steps."""
         for lane, stage in zip(self.target_lanes, self.targets):
-            stage.submit(lane, batch).result()
+            if isinstance(stage, TargetGraphs):
+                stage.warmup(lane, batch, [tuple(batch["input_ids"].shape)])
+            else:
+                stage.submit(lane, batch).result()
+
+    def graph_stats(self) -> list[dict]:
+        """TargetGraphs.stats() of each graph target (one per target model)."""
+        unique = {id(s): s for s in self.targets if isinstance(s, TargetGraphs)}
+        return [s.stats() for s in unique.values()]
 
     def steps(self, batches: Iterable[dict], steps: int) -> Iterator[StepLosses]:
         for result in self.pipe.run(batches, steps=steps):

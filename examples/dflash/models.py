@@ -44,6 +44,9 @@ class TargetConfig:
                 f"expected capture_layers in [0, {self.layers}), got {self.capture_layers}"
             )
 
+    def build(self, dtype: torch.dtype = torch.float32) -> HybridTarget:
+        return HybridTarget(self).to(dtype)
+
 
 @dataclass(frozen=True)
 class DrafterConfig:
@@ -181,6 +184,17 @@ class HybridTarget(nn.Module):
         self.norm = RMSNorm(cfg.dim)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
 
+    @property
+    def feature_dim(self) -> int:
+        return len(self.cfg.capture_layers) * self.cfg.dim
+
+    # Named as in Hugging Face models, so the drafter takes either kind of target.
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Hidden states of the capture layers, concatenated: [B, T, len(capture) * dim]."""
         x = self.embed(input_ids)
@@ -233,18 +247,22 @@ class DrafterLayer(nn.Module):
 
 
 class BlockDrafter(nn.Module):
-    def __init__(self, target: HybridTarget, cfg: DrafterConfig) -> None:
+    """`target` is a HybridTarget or an examples.dflash.hf.HFTarget: its `feature_dim`
+    is the width of the features it returns, its embeddings give the drafter's width."""
+
+    def __init__(self, target: nn.Module, cfg: DrafterConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        dim = target.cfg.dim
-        self.fc = nn.Linear(len(target.cfg.capture_layers) * dim, dim, bias=False)
+        embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        dim = embed.embedding_dim
+        self.fc = nn.Linear(target.feature_dim, dim, bias=False)
         self.context_norm = RMSNorm(dim)
         self.mask_embedding = nn.Parameter(torch.randn(dim) * dim**-0.5)
         self.layers = nn.ModuleList(DrafterLayer(dim, cfg) for _ in range(cfg.layers))
         self.norm = RMSNorm(dim)
         # Shared with the target in DFlash: frozen copies here.
-        self.embed = copy.deepcopy(target.embed).requires_grad_(False)
-        self.lm_head = copy.deepcopy(target.lm_head).requires_grad_(False)
+        self.embed = copy.deepcopy(embed).requires_grad_(False)
+        self.lm_head = copy.deepcopy(lm_head).requires_grad_(False)
 
     def anchors(self, length: int, device: torch.device) -> torch.Tensor:
         """Anchor positions: every block-th position with a whole block after it."""

@@ -1,0 +1,124 @@
+"""A Hugging Face causal LM as the frozen target: a local checkpoint (`from_pretrained`,
+never a download) or a Qwen3-Next built from a config with random weights.
+
+Its features are the outputs of chosen decoder layers, concatenated, as EAGLE-3 and
+DFlash drafters take them. Layer i's output is `hidden_states[i + 1]` of the model's
+`output_hidden_states` (entry 0 is the embedding); the last layer's comes after the
+final norm, as Hugging Face returns it. transformers' output capture keeps its
+collector in a ContextVar, so lanes may run one model's forward at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+# Qwen3NextConfig's defaults but for these: the layer count and width named in the
+# bench's facts, and a dense MLP (num_experts=0) unless MoE is asked for.
+QWEN3_NEXT = {
+    "qwen3-next-tiny": dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    ),
+    "qwen3-next-small": dict(hidden_size=1024, num_hidden_layers=8),
+    "qwen3-next-medium": dict(hidden_size=2048, num_hidden_layers=16),
+}
+# Qwen3-Next routes each token to 10 of 512 experts; at 16 experts, 2 keeps it sparse.
+MOE = dict(num_experts=16, num_experts_per_tok=2)
+
+
+def default_layers(n: int) -> tuple[int, ...]:
+    """EAGLE-3's choice of feature layers (low, middle, high) in an n-layer model."""
+    return tuple(sorted({min(max(i, 0), n - 1) for i in (1, n // 2 - 1, n - 4)}))
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """'1,3,5' -> (1, 3, 5); ValueError on anything else."""
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected comma-separated layer indices like 1,3,5, got {text!r}") from None
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"expected distinct layer indices, got {text!r}")
+    return tuple(sorted(layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTargetConfig:
+    """What builds a Hugging Face target: `source` is a local checkpoint directory or a
+    name in QWEN3_NEXT; `capture_layers` the decoder layers whose outputs are the
+    features. Make one with `load`, which reads the model's config."""
+
+    source: str
+    capture_layers: tuple[int, ...]
+    config: Any = dataclasses.field(compare=False, repr=False)  # transformers' config
+
+    @classmethod
+    def load(cls, source: str | Path, layers: tuple[int, ...] | None = None,
+             moe: bool = False) -> HFTargetConfig:
+        from transformers import AutoConfig, Qwen3NextConfig
+
+        source = str(source)
+        if source in QWEN3_NEXT:
+            config = Qwen3NextConfig(**QWEN3_NEXT[source], **(MOE if moe else dict(num_experts=0)))
+        elif Path(source).is_dir():
+            if moe:
+                raise ValueError("expected --moe only with a Qwen3-Next config name, got a checkpoint")
+            config = AutoConfig.from_pretrained(source, local_files_only=True)
+        else:
+            raise ValueError(
+                f"expected a local checkpoint directory or one of {', '.join(QWEN3_NEXT)}, got {source!r}"
+            )
+        n = config.get_text_config().num_hidden_layers
+        layers = default_layers(n) if layers is None else tuple(layers)
+        bad = [i for i in layers if not 0 <= i < n]
+        if bad or not layers:
+            raise ValueError(f"expected target layers in [0, {n}), got {layers}")
+        return cls(source, layers, config)
+
+    @property
+    def vocab(self) -> int:
+        return self.config.get_text_config().vocab_size
+
+    @property
+    def dim(self) -> int:
+        return self.config.get_text_config().hidden_size
+
+    def build(self, dtype: torch.dtype = torch.float32) -> HFTarget:
+        """The model in eval mode with frozen weights: loaded from the checkpoint, or with
+        random weights drawn from torch's generator (seed it first)."""
+        from transformers import AutoModelForCausalLM
+
+        if self.source in QWEN3_NEXT:
+            model = AutoModelForCausalLM.from_config(self.config, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(self.source, local_files_only=True, dtype=dtype)
+        return HFTarget(model, self.capture_layers).eval().requires_grad_(False)
+
+
+class HFTarget(nn.Module):
+    """forward(input_ids) -> the capture layers' outputs, concatenated:
+    [B, T, len(layers) * hidden]. The base model runs without its LM head: the drafter
+    needs the hidden states only."""
+
+    def __init__(self, model: nn.Module, layers: tuple[int, ...]) -> None:
+        super().__init__()
+        self.model = model
+        self.layers = tuple(layers)
+        self.feature_dim = len(self.layers) * model.config.get_text_config().hidden_size
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = self.model.base_model(input_ids=input_ids, use_cache=False, output_hidden_states=True)
+        return torch.cat([out.hidden_states[i + 1] for i in self.layers], dim=-1)
