@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 # Qwen3NextConfig's defaults but for these: the layer count and width named in the
-# bench's facts, and a dense MLP (num_experts=0) unless MoE is asked for.
+# bench's facts, and a dense MLP (num_experts=0) unless MoE is asked for. The vocabulary
+# is 32,000, the size of EAGLE-3's draft vocabulary: the drafter's head is over it, so a
+# 152k-way head does not outweigh the target in the pipeline's step.
 QWEN3_NEXT = {
     "qwen3-next-tiny": dict(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
@@ -26,8 +28,8 @@ QWEN3_NEXT = {
         linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
         moe_intermediate_size=32, shared_expert_intermediate_size=32,
     ),
-    "qwen3-next-small": dict(hidden_size=1024, num_hidden_layers=8),
-    "qwen3-next-medium": dict(hidden_size=2048, num_hidden_layers=16),
+    "qwen3-next-small": dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=8),
+    "qwen3-next-medium": dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=16),
 }
 # Qwen3-Next routes each token to 10 of 512 experts; at 16 experts, 2 keeps it sparse.
 MOE = dict(num_experts=16, num_experts_per_tok=2)
