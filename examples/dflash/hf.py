@@ -17,6 +17,21 @@ from typing import Any
 import torch
 from torch import nn
 
+
+def _scaled(hidden: int, layers: int) -> dict[str, int]:
+    """One 128-wide head per 128 of width, the configuration of the measurements in the
+    project's facts. Qwen3NextConfig's fixed defaults (16 attention heads of 256, 32
+    value heads of 128) are sized for a 2048-wide model: at width 1024 they make the
+    attention four times the width, and the GPU time of a forward larger."""
+    return dict(
+        hidden_size=hidden, num_hidden_layers=layers, intermediate_size=3 * hidden,
+        num_attention_heads=hidden // 128, num_key_value_heads=2, head_dim=128,
+        linear_num_value_heads=hidden // 128, linear_num_key_heads=hidden // 256,
+        linear_key_head_dim=128, linear_value_head_dim=128,
+        moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden // 2,
+    )
+
+
 # Qwen3NextConfig's defaults but for these: the layer count and width named in the
 # bench's facts, and a dense MLP (num_experts=0) unless MoE is asked for. The vocabulary
 # is 32,000, the size of EAGLE-3's draft vocabulary: the drafter's head is over it, so a
@@ -28,8 +43,8 @@ QWEN3_NEXT = {
         linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
         moe_intermediate_size=32, shared_expert_intermediate_size=32,
     ),
-    "qwen3-next-small": dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=8),
-    "qwen3-next-medium": dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=16),
+    "qwen3-next-small": dict(vocab_size=32000, **_scaled(hidden=1024, layers=8)),
+    "qwen3-next-medium": dict(vocab_size=32000, **_scaled(hidden=2048, layers=16)),
 }
 # Qwen3-Next routes each token to 10 of 512 experts; at 16 experts, 2 keeps it sparse.
 MOE = dict(num_experts=16, num_experts_per_tok=2)
