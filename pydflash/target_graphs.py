@@ -131,6 +131,14 @@ def _pad(x: Any, bucket: Bucket, value: float) -> Any:
     return out
 
 
+def _resize(x: Any, bucket: Bucket, value: float) -> Any:
+    """x cut or padded to exactly the bucket's shape."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    x = x[: bucket.batch, : bucket.length] if x.dim() >= 2 else x[: bucket.batch]
+    return _pad(x, bucket, value)
+
+
 def _copy_padded(static: torch.Tensor, x: torch.Tensor, value: float) -> None:
     """Writes x into the top-left corner of `static` and `value` everywhere else."""
     b = x.shape[0]
@@ -334,20 +342,16 @@ class TargetGraphs(TargetStage):
         b, _ = batch_shape(leaves)
         if shapes is None:
             shapes = [(b, length) for length in self.lengths]
-        batches = [self._example_of(leaves, spec, batch, length) for batch, length in shapes]
+        pads = self._pads(example, leaves)
+        batches = [
+            pytree.tree_unflatten([_resize(x, Bucket(batch, length), pad)
+                                   for x, pad in zip(leaves, pads)], spec)
+            for batch, length in shapes
+        ]
         futures = [self.submit(lane, batch) for lane in lanes for batch in batches]
         for future in futures:
             self.release(future.wait_stream() if future.event else future.result())
         return self.stats()
-
-    def _example_of(self, leaves: list[Any], spec: Any, b: int, t: int) -> Any:
-        def resize(x: Any) -> Any:
-            if not isinstance(x, torch.Tensor):
-                return x
-            x = x[:b, :t] if x.dim() >= 2 else x[:b]
-            return _pad(x, Bucket(b, t), 0)
-
-        return pytree.tree_unflatten([resize(x) for x in leaves], spec)
 
     def stats(self) -> dict[str, Any]:
         """Per lane label: the buckets captured (batch, length), captures, replays, eager

@@ -140,6 +140,20 @@ def test_a_batch_above_the_largest_bucket_runs_eagerly_and_warns_once(cpu_lane):
     assert sum(stats["fallbacks"].values()) == 2
 
 
+def test_warmup_runs_every_length_bucket_at_the_example_batch(cpu_lane):
+    shapes = []
+
+    def fn(batch):
+        shapes.append(tuple(batch["ids"].shape))
+        return batch["ids"] * 1
+
+    target = TargetGraphs(fn, lengths=(4, 8, 16), pad_value={"ids": 3})
+    target.warmup([cpu_lane], {"ids": torch.ones(2, 10, dtype=torch.long)})
+    assert shapes == [(2, 4), (2, 8), (2, 16)]
+    target.warmup(cpu_lane, {"ids": torch.ones(2, 10, dtype=torch.long)}, shapes=[(1, 8)])
+    assert shapes[-1] == (1, 8)
+
+
 def test_a_task_failure_reaches_the_caller(cpu_lane):
     def broken(batch):
         raise ValueError("bad target")
