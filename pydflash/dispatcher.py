@@ -9,6 +9,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Iterable
 
+from . import guards
 from ._future import Future
 from ._native import C
 from .devices import parse_device, parse_devices
@@ -53,9 +54,7 @@ class Dispatcher(concurrent.futures.Executor):
         self._guard = None
         if guard_triton:
             # Before any lane exists: an unsupported Triton raises with nothing to clean up.
-            from .triton_guard import guard_triton as install_guard
-
-            self._guard = install_guard(missing_ok=True)
+            self._guard = guards.guard_triton(missing_ok=True)
         self._lanes = [Lane(i, d, spin_us=spin_us) for i, d in enumerate(parsed)]
         if trace:
             self.set_tracing(True)
@@ -93,7 +92,7 @@ class Dispatcher(concurrent.futures.Executor):
         return C.Submitter(natives, tuple(self._lanes), repr(self))(fn, *args, **kwargs)
 
     def warmup(self, fn: Callable[..., Any], inputs_per_lane: Iterable[tuple | None]) -> list[Any]:
-        """Runs fn(*inputs) on every lane at once, with the Triton guard on, so that the
+        """Runs fn(*inputs) on every lane at once, with every guard on, so that the
         kernels of a step are tuned and compiled in one pass: each autotune key is
         benchmarked once (one benchmark per GPU at a time, GPUs in parallel), each kernel
         compiled once, and lanes needing the same key wait for it instead of repeating it.
@@ -121,9 +120,7 @@ class Dispatcher(concurrent.futures.Executor):
                     f"expected inputs_per_lane[{i}] as a tuple of arguments or None, "
                     f"got {type(args).__name__}"
                 )
-        from .triton_guard import guard_triton as install_guard
-
-        guard = install_guard(missing_ok=True)
+        guard = guards.guard_triton(missing_ok=True)
         try:
             futures = [
                 None if args is None else lane.submit(fn, *args)
@@ -137,7 +134,7 @@ class Dispatcher(concurrent.futures.Executor):
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stops accepting work. wait: return once every lane has finished what it had
-        (and give back this dispatcher's hold on the Triton guard). cancel_futures:
+        (and give back this dispatcher's hold on the guards). cancel_futures:
         cancel what is still queued."""
         _shutdown_lanes(self._lanes, wait, cancel_futures)
         if wait and self._guard is not None:
