@@ -31,6 +31,46 @@ def test_a_dispatcher_installs_the_guard_unless_told_not_to(guard_module):
     assert not guard_module.is_guarded()
 
 
+def test_a_dispatcher_holds_the_guards_it_names(guard_module):
+    from pydflash import Dispatcher
+
+    assert guard_module.select(None) == ("triton", "fla", "torch_compile")
+    assert guard_module.select(["torch_compile", "fla", "fla"]) == ("fla", "torch_compile")
+    with Dispatcher(["cpu"], guard="torch_compile"):
+        assert guard_module.installed() == ("torch_compile",)
+        with Dispatcher(["cpu"], guard=("fla", "torch_compile")):
+            assert guard_module.installed() == ("fla", "torch_compile")
+        assert guard_module.installed() == ("torch_compile",)  # held by the outer one
+    assert guard_module.installed() == ()
+    with Dispatcher(["cpu"], guard=()):
+        assert guard_module.installed() == ()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"guard": ("triton", "trition")},
+            ValueError,
+            "expected guard names from 'triton', 'fla', 'torch_compile', got 'trition'",
+        ),
+        ({"guard": True}, TypeError, "expected guard names as a str or an iterable of str"),
+        (
+            {"guard": "fla", "guard_triton": False},
+            ValueError,
+            "expected guard=None or \\(\\) with guard_triton=False, got guard='fla'",
+        ),
+    ],
+    ids=["unknown-name", "not-names", "both-ways"],
+)
+def test_bad_guard_selections_are_refused_before_any_lane(guard_module, kwargs, error, match):
+    from pydflash import Dispatcher
+
+    with pytest.raises(error, match=match):
+        Dispatcher(["cpu"], **kwargs)
+    assert guard_module.installed() == ()
+
+
 def test_a_selection_naming_triton_needs_triton(guard_module, monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` fail
     assert guard_module.guard(("fla", "triton"), missing_ok=True) is None

@@ -1,7 +1,7 @@
 """Guards that make what compiles kernels safe to call from several threads at once.
 
 Each guard is installed once per process, reversibly, and held by name with
-`guard(names)` (`guard_triton()` holds all of them):
+`Dispatcher(guard=...)` or `guard(names)` (by default, and with `guard_triton()`, all):
 
 - 'triton': Triton's autotuner (autotuner.py, with per-thread instance state from
   per_thread.py), single-flight JIT compiles and kernel loads (jit.py), serialized
