@@ -62,15 +62,15 @@ def _interleaved(
     bare: Callable[[], None], guarded: Callable[[], None], rounds: int, inner: int
 ) -> tuple:
     """Median seconds per call of each, measured in alternating batches so drift hits both."""
-    from pydflash import triton_guard
+    from pydflash import guards
 
     samples: dict[str, list[float]] = {"bare": [], "guarded": []}
     for _ in range(rounds):
         for name, fn in (("bare", bare), ("guarded", guarded)):
             if name == "bare":
-                triton_guard.unguard_triton()
+                guards.unguard_triton()
             else:
-                triton_guard.guard_triton()
+                guards.guard_triton()
             fn()  # warm
             start = time.perf_counter()
             for _ in range(inner):
@@ -80,15 +80,15 @@ def _interleaved(
 
 
 def _with_guard_state_restored(measure: Callable[[], Row]) -> Row:
-    from pydflash import triton_guard
+    from pydflash import guards
 
-    was = triton_guard.is_guarded()
+    was = guards.is_guarded()
     try:
         return measure()
     finally:
-        triton_guard.unguard_triton()
+        guards.unguard_triton()
         if was:
-            triton_guard.guard_triton(missing_ok=True)
+            guards.guard_triton(missing_ok=True)
 
 
 def _hit_row(name: str, bare_s: float, guarded_s: float, note: str) -> Row:

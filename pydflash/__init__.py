@@ -20,7 +20,7 @@ from .errors import (
 )
 from .info import build_info
 from .lane import Lane
-from .triton_guard import guard_triton, unguard_triton
+from .guards import guard_triton, unguard_triton
 from .waiting import wait_all
 
 

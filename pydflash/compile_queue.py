@@ -7,7 +7,7 @@ their callers first come, first served, so one GPU runs one autotune benchmark a
 while other GPUs, and work without a slot (JIT compiles), go on. A thread may re-enter
 a key or slot it holds. See Note [Compile queue fairness] in csrc/core/compile_queue.h.
 
-The Triton guard (pydflash/triton_guard.py) routes autotuning and compiles through here;
+The guards (pydflash/guards/) route autotuning and compiles through here;
 `stats()` says how often each key ran and how long callers waited for it.
 
 PYDFLASH_COMPILE_TIMEOUT (seconds) sets the default wait limit; unset waits forever.

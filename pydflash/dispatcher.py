@@ -9,6 +9,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Iterable
 
+from . import guards
 from ._future import Future
 from ._native import C
 from .devices import parse_device, parse_devices
@@ -25,10 +26,13 @@ class Dispatcher(concurrent.futures.Executor):
 
     devices: CUDA ordinals, 'cuda:N', torch.device or 'cpu', one lane per entry (repeat
     an entry for several lanes on one device). Default: every visible GPU, else one CPU
-    lane. trace: record per-lane spans (see `export_trace`). guard_triton: make Triton's
-    autotuner and compiles safe under threads while the dispatcher lives. spin_us: how
-    long an idle worker polls its queue before it sleeps; the window grows (to 1 ms)
-    while tasks come in frequent bursts and shrinks back after a pause (0: never poll).
+    lane. trace: record per-lane spans (see `export_trace`). guard: the guards that make
+    compiling safe under threads while the dispatcher lives, by name: 'triton' (Triton's
+    autotuner and compiles), 'fla' (flash-linear-attention's tensor_cache),
+    'torch_compile' (a compiled module's first calls); default all (pydflash/guards/).
+    guard_triton=False: none, as guard=() does. spin_us: how long an idle worker polls
+    its queue before it sleeps; the window grows (to 1 ms) while tasks come in frequent
+    bursts and shrinks back after a pause (0: never poll).
     max_workers: ThreadPoolExecutor's, refused with the `devices` call to use instead.
     """
 
@@ -37,6 +41,7 @@ class Dispatcher(concurrent.futures.Executor):
         devices: Iterable[Any] | None = None,
         *,
         trace: bool = False,
+        guard: str | Iterable[str] | None = None,
         guard_triton: bool = True,
         spin_us: float = DEFAULT_SPIN_US,
         max_workers: None = None,
@@ -50,12 +55,15 @@ class Dispatcher(concurrent.futures.Executor):
                 "Dispatcher(devices=[0, 1])"
             )
         parsed = parse_devices(devices)
-        self._guard = None
-        if guard_triton:
-            # Before any lane exists: an unsupported Triton raises with nothing to clean up.
-            from .triton_guard import guard_triton as install_guard
-
-            self._guard = install_guard(missing_ok=True)
+        names = guards.select(guard)
+        if not guard_triton:
+            if guard is not None and names:
+                raise ValueError(
+                    f"expected guard=None or () with guard_triton=False, got guard={guard!r}"
+                )
+            names = ()
+        # Before any lane exists: an unsupported Triton raises with nothing to clean up.
+        self._guard = guards.guard(names, missing_ok=True) if names else None
         self._lanes = [Lane(i, d, spin_us=spin_us) for i, d in enumerate(parsed)]
         if trace:
             self.set_tracing(True)
@@ -93,7 +101,7 @@ class Dispatcher(concurrent.futures.Executor):
         return C.Submitter(natives, tuple(self._lanes), repr(self))(fn, *args, **kwargs)
 
     def warmup(self, fn: Callable[..., Any], inputs_per_lane: Iterable[tuple | None]) -> list[Any]:
-        """Runs fn(*inputs) on every lane at once, with the Triton guard on, so that the
+        """Runs fn(*inputs) on every lane at once, with every guard on, so that the
         kernels of a step are tuned and compiled in one pass: each autotune key is
         benchmarked once (one benchmark per GPU at a time, GPUs in parallel), each kernel
         compiled once, and lanes needing the same key wait for it instead of repeating it.
@@ -121,9 +129,7 @@ class Dispatcher(concurrent.futures.Executor):
                     f"expected inputs_per_lane[{i}] as a tuple of arguments or None, "
                     f"got {type(args).__name__}"
                 )
-        from .triton_guard import guard_triton as install_guard
-
-        guard = install_guard(missing_ok=True)
+        guard = guards.guard_triton(missing_ok=True)
         try:
             futures = [
                 None if args is None else lane.submit(fn, *args)
@@ -137,7 +143,7 @@ class Dispatcher(concurrent.futures.Executor):
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stops accepting work. wait: return once every lane has finished what it had
-        (and give back this dispatcher's hold on the Triton guard). cancel_futures:
+        (and give back this dispatcher's hold on its guards). cancel_futures:
         cancel what is still queued."""
         _shutdown_lanes(self._lanes, wait, cancel_futures)
         if wait and self._guard is not None:

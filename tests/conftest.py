@@ -47,3 +47,16 @@ def run_python(python_subprocess_env):
         )
 
     return run
+
+
+@pytest.fixture
+def guard_module():
+    """pydflash.guards with no guard installed; the previous state afterwards."""
+    from pydflash import guards
+
+    was = guards.is_guarded()
+    guards.unguard_triton()
+    yield guards
+    guards.unguard_triton()
+    if was:
+        guards.guard_triton(missing_ok=True)

@@ -1,8 +1,9 @@
-"""The Triton guard.
+"""The 'triton' guard (pydflash/guards/): installing it, its drift checks, and each part
+it patches (autotuner.py, jit.py, interpreter.py, allocator.py).
 
 The races are reproduced with real Triton in interpreter mode (TRITON_INTERPRET=1, CPU),
 which must be set before triton is imported: those cases run this file as a script in a
-subprocess (`python tests/test_triton_guard.py <case> guarded|bare`) that prints one JSON
+subprocess (`python tests/test_guards_triton.py <case> guarded|bare`) that prints one JSON
 line. The interleavings are forced (a CPU do_bench that waits for another thread's call),
 so the unguarded runs fail every time, not by luck. The rest runs in-process.
 """
@@ -15,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -37,19 +37,6 @@ eventually = functools.partial(polling_helpers.eventually, within_s=20.0)
 # ======================================================================================
 # In-process: installing, checking, and the parts that need no kernel launch.
 # ======================================================================================
-
-
-@pytest.fixture
-def guard_module():
-    """pydflash.triton_guard with no guard installed; the previous state afterwards."""
-    from pydflash import triton_guard
-
-    was = triton_guard.is_guarded()
-    triton_guard.unguard_triton()
-    yield triton_guard
-    triton_guard.unguard_triton()
-    if was:
-        triton_guard.guard_triton(missing_ok=True)
 
 
 def waiting_on(prefix: str) -> int:
@@ -155,28 +142,6 @@ def test_unknown_internals_are_refused_naming_versions(guard_module, monkeypatch
     assert "Dispatcher(guard_triton=False)" in message
     assert not guard_module.is_guarded()
     assert patched_attributes() == before  # nothing half-installed
-
-
-def test_without_triton(guard_module, monkeypatch):
-    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` fail
-    assert guard_module.guard_triton(missing_ok=True) is None
-    with pytest.raises(ImportError, match="missing_ok=True"):
-        guard_module.guard_triton()
-    assert not guard_module.is_guarded()
-
-
-def test_a_dispatcher_installs_the_guard_unless_told_not_to(guard_module):
-    from pydflash import Dispatcher
-
-    bare = Dispatcher(["cpu"], guard_triton=False)
-    assert not guard_module.is_guarded()
-    bare.shutdown()
-    guarded = Dispatcher(["cpu"])
-    assert guard_module.is_guarded()
-    guarded.shutdown(wait=False)  # lanes may still launch kernels: the guard stays
-    assert guard_module.is_guarded()
-    guarded.shutdown(wait=True)  # gives its hold back
-    assert not guard_module.is_guarded()
 
 
 def test_autotuner_call_state_is_per_thread(guard_module):
@@ -359,8 +324,10 @@ def test_a_cold_keys_configs_compile_in_parallel_before_its_first_benchmark(
             if warmup and kwargs["BLOCK"] == 64:
                 raise RuntimeError("does not compile")  # left for the benchmark to meet
 
-    monkeypatch.setattr(guard_module, "_benchmark_slot", lambda: "cuda:0")  # no GPU here
-    monkeypatch.setattr(guard_module, "_set_thread_device", lambda device: None)
+    from pydflash.guards import autotuner
+
+    monkeypatch.setattr(autotuner, "_benchmark_slot", lambda: "cuda:0")  # no GPU here
+    monkeypatch.setattr(autotuner, "_set_thread_device", lambda device: None)
     monkeypatch.setenv("PYDFLASH_PRECOMPILE_THREADS", threads)
     guard_module.guard_triton()
     tuner = Autotuner(
@@ -420,208 +387,6 @@ def test_lane_threads_use_the_process_allocator(guard_module):
         lanes.shutdown()
         guard.uninstall()
         _allocation._allocator.set(original)
-
-
-FAKE_FLA = {
-    "fla/__init__.py": "",
-    "fla/utils/__init__.py": "from .decorators import tensor_cache\n",
-    # The shape of flash-linear-attention 0.6.0's tensor_cache: a deque in the closure,
-    # iterated on every call and appended to on a miss.
-    "fla/utils/decorators.py": """
-        import collections, functools
-
-        def tensor_cache(fn):
-            cached = collections.deque(maxlen=4)
-
-            @functools.wraps(fn)
-            def wrapper(*args, **kwargs):
-                for cached_args, cached_kwargs, cached_result in cached:
-                    if len(args) == len(cached_args) and all(
-                        a is b for a, b in zip(args, cached_args)
-                    ):
-                        return cached_result
-                result = fn(*args, **kwargs)
-                cached.append((args, kwargs, result))
-                return result
-
-            return wrapper
-    """,
-    "fla/ops.py": """
-        from fla.utils import tensor_cache
-
-        @tensor_cache
-        def prepare(x):
-            return [x]
-    """,
-}
-
-
-@pytest.fixture
-def fake_fla(tmp_path, monkeypatch):
-    """A stand-in flash-linear-attention package; a real one imported before is put
-    aside meanwhile and restored."""
-
-    def take_fla_modules() -> dict:
-        names = [m for m in sys.modules if m == "fla" or m.startswith("fla.")]
-        return {name: sys.modules.pop(name) for name in names}
-
-    real = take_fla_modules()
-    for name, text in FAKE_FLA.items():
-        path = tmp_path / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield
-    take_fla_modules()
-    sys.modules.update(real)
-
-
-def cache_type(fn) -> type:
-    from pydflash.triton_guard import _tensor_cache_cell
-
-    return type(_tensor_cache_cell(fn).cell_contents)
-
-
-@pytest.mark.parametrize(
-    "imported_first", [False, True], ids=["guard-then-import", "import-then-guard"]
-)
-def test_fla_tensor_cache_is_made_thread_safe(guard_module, fake_fla, imported_first):
-    from pydflash.triton_guard import _SnapshotDeque
-
-    if imported_first:
-        import fla.ops
-    guard = guard_module.guard_triton()
-    import fla.ops
-    import fla.utils
-
-    assert cache_type(fla.ops.prepare) is _SnapshotDeque
-    assert guard.features["fla_tensor_cache"]
-    later = fla.utils.tensor_cache(lambda x: x)  # decorated after the guard
-    assert cache_type(later) is _SnapshotDeque
-    x = object()
-    assert fla.ops.prepare(x) is fla.ops.prepare(x)  # still a cache
-
-    errors: list = []
-    barrier = threading.Barrier(8)
-
-    def body() -> None:
-        barrier.wait()
-        try:
-            for _ in range(3000):
-                fla.ops.prepare(object())  # a miss: iterate, then append
-        except RuntimeError as exc:
-            errors.append(exc)
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible
-    try:
-        threads = [threading.Thread(target=body) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
-    assert errors == []
-    guard.uninstall()
-    assert cache_type(fla.ops.prepare) is collections.deque
-    assert fla.utils.tensor_cache is fla.utils.decorators.tensor_cache
-    assert not hasattr(fla.utils.tensor_cache, "_pydflash_original")
-
-
-def test_a_snapshot_deque_survives_appends_while_iterated():
-    from pydflash.triton_guard import _SnapshotDeque
-
-    plain = collections.deque([1, 2], maxlen=4)
-    it = iter(plain)
-    next(it)
-    plain.append(3)
-    with pytest.raises(RuntimeError, match="mutated during iteration"):
-        next(it)
-    snap = _SnapshotDeque([1, 2], maxlen=4)
-    it = iter(snap)
-    next(it)
-    snap.append(3)
-    assert list(it) == [2]
-    assert list(snap) == [1, 2, 3] and snap.maxlen == 4
-
-
-def test_first_calls_of_a_compiled_module_go_through_the_queue(guard_module):
-    torch = pytest.importorskip("torch")
-    from pydflash import compile_queue
-
-    guard = guard_module.guard_triton()
-    try:
-        torch.manual_seed(0)
-        module = torch.nn.Linear(8, 8)
-        compiled = torch.compile(module, backend="eager")
-        assert guard.features.get("torch_compile")  # patched once torch._dynamo was imported
-        inputs = [torch.randn(4, 8) for _ in range(4)]
-        barrier = threading.Barrier(4)
-        results: list = [None] * 4
-
-        def body(i: int) -> None:
-            barrier.wait()
-            with torch.no_grad():
-                results[i] = compiled(inputs[i])
-
-        threads = [threading.Thread(target=body, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        with torch.no_grad():
-            assert all(torch.allclose(r, module(x)) for r, x in zip(results, inputs))
-        first_calls = [
-            k
-            for k in compile_queue.stats()["keys"]
-            if k.startswith(f"torch.compile:Linear@{id(compiled):x}")
-        ]
-        assert first_calls  # at least the first call went through the queue
-    finally:
-        guard.uninstall()
-
-
-def test_warmup_runs_on_every_lane_with_the_guard_on(guard_module):
-    from pydflash import Dispatcher
-
-    dispatcher = Dispatcher(["cpu"] * 3, guard_triton=False)
-    try:
-        seen = dispatcher.warmup(lambda x: (x * 2, guard_module.is_guarded()), [(1,), None, (3,)])
-        assert seen == [(2, True), None, (6, True)]
-        assert not guard_module.is_guarded()  # only for the warmup
-
-        def fail(x):
-            raise ValueError(f"lane input {x}")
-
-        with pytest.raises(ValueError, match="lane input 1"):
-            dispatcher.warmup(fail, [(1,), (2,), (3,)])
-    finally:
-        dispatcher.shutdown()
-
-
-@pytest.mark.parametrize(
-    ("args", "error", "match"),
-    [
-        ((5, [(1,)]), TypeError, "expected a callable, got int"),
-        ((print, 3), TypeError, "inputs_per_lane as a sequence of argument tuples, got int"),
-        ((print, [(1,)]), ValueError, r"one entry of inputs_per_lane per lane \(2\), got 1"),
-        (
-            (print, [(1,), 2]),
-            TypeError,
-            r"inputs_per_lane\[1\] as a tuple of arguments or None, got int",
-        ),
-    ],
-)
-def test_warmup_rejects_bad_arguments(args, error, match):
-    from pydflash import Dispatcher
-
-    dispatcher = Dispatcher(["cpu"] * 2, guard_triton=False)
-    try:
-        with pytest.raises(error, match=match):
-            dispatcher.warmup(*args)
-    finally:
-        dispatcher.shutdown()
 
 
 # ======================================================================================
@@ -720,12 +485,12 @@ def _child(case: str, guarded: bool) -> dict:
     import triton
     import triton.language as tl
 
-    from pydflash import Dispatcher, compile_queue, triton_guard
+    from pydflash import Dispatcher, compile_queue, guards
 
     globals()["triton"] = triton  # Triton 3.3's interpreter rewrites kernels to use it
     assert triton.knobs.runtime.interpret if hasattr(triton, "knobs") else True
     if guarded:
-        triton_guard.guard_triton()
+        guards.guard_triton()
 
     pause = threading.local()  # per thread: a function to run before its next benchmark
     benchmarks: collections.Counter = collections.Counter()
