@@ -32,7 +32,8 @@ if not __package__:
 from . import report
 from .common import Context, Row, meets
 
-SECTIONS = ("dispatch", "overlap", "launch_bound", "compile_queue", "pipeline", "real_target")
+SECTIONS = ("dispatch", "overlap", "launch_bound", "compile_queue", "pipeline", "real_target",
+            "scale_out")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
