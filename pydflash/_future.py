@@ -1,18 +1,17 @@
 """pydflash.Future: a concurrent.futures.Future whose completion is native.
 
-The state machine, the wait, result() and done() are C (`_C.FutureBase`, in
+The state machine, the wait, result(), done() and cancel() are C (`_C.FutureBase`, in
 csrc/python/future_object.cpp); a Python task's result or exception is stored there
 by the worker. The stdlib's waiting machinery (`_condition`, `_waiters`, done
 callbacks) is created only when something uses it: touching `_condition` marks the
-future observed, and only observed futures cost the worker a notification
-(Note [Observed futures] in csrc/core/future.h).
+future observed, and only observed futures cost the worker a notification, which it
+makes natively (Note [Observed futures] in csrc/core/future.h).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import concurrent.futures._base as _base
-import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 from ._native import C
@@ -30,32 +29,7 @@ class Future(C.FutureBase, concurrent.futures.Future):
     as_completed, add_done_callback and asyncio.wrap_future; GPU results also carry
     a CUDA event (`event`, `wait_stream`). Made by `Lane.submit`, never by hand."""
 
-    # --- what the stdlib's wait()/as_completed() use --------------------------------
-    @property
-    def _condition(self) -> threading.Condition:
-        self._check_not_orphaned()  # a forked child must not wait on the parent's lanes
-        if self._cond is None:
-            self._mark_observed()
-            self._cond = threading.Condition()
-        return self._cond
-
-    def _notify(self) -> None:
-        """Called once the future is done and observed (by the worker, or by cancel)."""
-        with self._condition:
-            cancelled = self._status == _CANCELLED
-            failed = not cancelled and self._failure() is not None
-            for waiter in self._waiters:
-                if cancelled:
-                    waiter.add_cancelled(self)
-                elif failed:
-                    waiter.add_exception(self)
-                else:
-                    waiter.add_result(self)
-            self._condition.notify_all()
-            callbacks, self._callbacks = self._callbacks or [], None
-        for callback in callbacks:
-            self._invoke(callback)
-
+    # --- what the C half calls --------------------------------------------------------
     def _invoke(self, callback: Callable[[Future], Any]) -> None:
         try:
             callback(self)
@@ -76,19 +50,11 @@ class Future(C.FutureBase, concurrent.futures.Future):
         finally:
             self = None  # break the frame -> exception -> frame cycle, as the stdlib does
 
-    # --- the public Future API (result, done, cancelled, running are C) --------------
+    # --- the public Future API (result, done, cancelled, running, cancel are C) ------
     @property
     def lane(self) -> Lane:
         """The lane that runs the task."""
         return self._lane
-
-    def cancel(self) -> bool:
-        # Only the call that cancels notifies: a second notification would count a
-        # concurrent.futures.wait() waiter down twice and wake it early.
-        if self._cancel_native():
-            self._notify()
-            return True
-        return self._status == _CANCELLED
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if not self._wait(timeout):

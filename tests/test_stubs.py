@@ -18,11 +18,14 @@ def stub_names():
         elif isinstance(node, ast.AnnAssign):
             names.add(node.target.id)
         if isinstance(node, ast.ClassDef):
-            members[node.name] = {
+            declared = (
                 n.name if isinstance(n, ast.FunctionDef) else n.target.id
                 for n in node.body
                 if isinstance(n, (ast.FunctionDef, ast.AnnAssign))
-            } - {"__init__", "__call__"}
+            )
+            # Dunders are left out, as on the module's side; the stub declares some
+            # (__init__, __call__, __enter__) for type checkers.
+            members[node.name] = {m for m in declared if not m.startswith("__")}
     return names, members
 
 

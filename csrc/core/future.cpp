@@ -29,14 +29,22 @@ void* FutureState::event_recorded_now() {
   return event_;
 }
 
-bool FutureState::try_start() {
-  auto expected = FutureStatus::Pending;
-  return status_.compare_exchange_strong(expected, FutureStatus::Running);
+bool FutureState::transition(FutureStatus from, FutureStatus to, uint32_t* before) {
+  uint32_t word = word_.load(std::memory_order_seq_cst);
+  while (status_of(word) == from) {
+    const uint32_t next = (word & ~kStatusMask) | static_cast<uint32_t>(to);
+    if (word_.compare_exchange_weak(word, next, std::memory_order_seq_cst)) {
+      if (before != nullptr) *before = word;
+      return true;
+    }
+  }
+  return false;
 }
 
+bool FutureState::try_start() { return transition(FutureStatus::Pending, FutureStatus::Running); }
+
 bool FutureState::try_cancel() {
-  auto expected = FutureStatus::Pending;
-  if (!status_.compare_exchange_strong(expected, FutureStatus::Cancelled)) return false;
+  if (!transition(FutureStatus::Pending, FutureStatus::Cancelled)) return false;
   publish();
   return true;
 }
@@ -44,9 +52,17 @@ bool FutureState::try_cancel() {
 bool FutureState::cancel() { return try_cancel() || status() == FutureStatus::Cancelled; }
 
 bool FutureState::finish() {
-  auto expected = FutureStatus::Running;
-  PYDFLASH_INTERNAL_ASSERT(status_.compare_exchange_strong(expected, FutureStatus::Finished));
-  return observed();
+  uint32_t before = 0;
+  PYDFLASH_INTERNAL_ASSERT(transition(FutureStatus::Running, FutureStatus::Finished, &before));
+  return (before & kObserved) != 0;
+}
+
+void FutureState::mark_observed() {
+  // Observed after it completed: nobody will notify, so it is settled now.
+  uint32_t word = word_.load(std::memory_order_seq_cst);
+  while (!word_.compare_exchange_weak(word, word | kObserved | (is_done(word) ? kNotified : 0),
+                                      std::memory_order_seq_cst)) {
+  }
 }
 
 void FutureState::set_native_error(NativeError kind, std::string message) {

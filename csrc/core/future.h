@@ -26,11 +26,8 @@ class FutureState {
   FutureState& operator=(const FutureState&) = delete;
 
   uint64_t id() const { return id_; }
-  FutureStatus status() const { return status_.load(std::memory_order_seq_cst); }
-  bool done() const {
-    auto s = status();
-    return s == FutureStatus::Cancelled || s == FutureStatus::Finished;
-  }
+  FutureStatus status() const { return status_of(word_.load(std::memory_order_seq_cst)); }
+  bool done() const { return is_done(word_.load(std::memory_order_seq_cst)); }
 
   /// Pending -> Running. False when the task was cancelled first.
   bool try_start();
@@ -53,7 +50,9 @@ class FutureState {
   /// A woken waiter polls (bounded) until the producing worker has let go, so that it
   /// takes a free GIL instead of going to sleep on a held one. Publication is never
   /// deferred past the task: a later task on the same lane may itself wait for
-  /// whoever waits on this one.
+  /// whoever waits on this one. Observers are notified after publication: a thread
+  /// holding the future's condition while it waits for result() must not keep the
+  /// worker from waking it.
   bool published() const { return published_.load(std::memory_order_acquire); }
 
   /// The producing worker's "holds the interpreter" flag (see the Note above). It lives
@@ -71,12 +70,18 @@ class FutureState {
 
   /// Note [Observed futures]: a future is "observed" once something other than its
   /// own result() may need a wake-up (a done callback, concurrent.futures.wait,
-  /// as_completed). The finisher stores the status, then loads `observed`; the observer
-  /// stores `observed`, then loads the status. Both are seq_cst, so at least one side
-  /// sees the other and the notification is never lost. Unobserved futures complete
-  /// without touching the interpreter.
-  void mark_observed() { observed_.store(true, std::memory_order_seq_cst); }
-  bool observed() const { return observed_.load(std::memory_order_seq_cst); }
+  /// as_completed). Status and `observed` share one atomic word, so the finisher's
+  /// transition says whether an observer came first (finish() returns it: the finisher
+  /// notifies), and an observer coming later sees the outcome (nobody will notify: it
+  /// is settled at once). Unobserved futures complete without touching the interpreter.
+  /// An observed future is "settled" once its observers were told; until then
+  /// concurrent.futures must see it as not yet done, as it sees a stdlib future whose
+  /// state and waiters change together under its condition.
+  void mark_observed();
+  bool observed() const { return (word_.load(std::memory_order_seq_cst) & kObserved) != 0; }
+  /// Done, and its observers (if any) told. The notifier calls mark_notified().
+  bool settled() const { return is_settled(word_.load(std::memory_order_seq_cst)); }
+  void mark_notified() { word_.fetch_or(kNotified, std::memory_order_seq_cst); }
 
   NativeError native_error() const { return native_error_; }
   const std::string& native_error_message() const { return native_error_message_; }
@@ -106,9 +111,26 @@ class FutureState {
   int64_t start_ns = 0;
 
  private:
+  // The word: the status in the low bits, then the observed and notified flags.
+  static constexpr uint32_t kStatusMask = 3;
+  static constexpr uint32_t kObserved = 4;
+  static constexpr uint32_t kNotified = 8;
+  static FutureStatus status_of(uint32_t word) {
+    return static_cast<FutureStatus>(word & kStatusMask);
+  }
+  static bool is_done(uint32_t word) {
+    const FutureStatus s = status_of(word);
+    return s == FutureStatus::Cancelled || s == FutureStatus::Finished;
+  }
+  static bool is_settled(uint32_t word) {
+    return is_done(word) && ((word & kObserved) == 0 || (word & kNotified) != 0);
+  }
+  /// from -> to, keeping the flags. False when the status was not `from`; `before`
+  /// gets the word the transition replaced.
+  bool transition(FutureStatus from, FutureStatus to, uint32_t* before = nullptr);
+
   const uint64_t id_;
-  std::atomic<FutureStatus> status_{FutureStatus::Pending};
-  std::atomic<bool> observed_{false};
+  std::atomic<uint32_t> word_{static_cast<uint32_t>(FutureStatus::Pending)};
   std::atomic<bool> published_{false};
   const std::atomic<bool>* producer_in_interpreter_ = nullptr;
   std::atomic<int> sleepers_{0};

@@ -353,12 +353,13 @@ void Lane::run_one(Task& task) {
     return;
   }
   add_single_writer<uint64_t>(completed_, 1);
-  if (future->finish()) {
+  const bool observed = future->finish();
+  // Note [Finish, then publish]. The body may hold the future's only owner: it goes last.
+  future->publish();
+  if (observed) {
     enter();
     body->notify(*future);
   }
-  // Note [Finish, then publish]. The body may hold the future's only owner: it goes last.
-  future->publish();
   destroy();
   if (queue_.size() == 0) leave();
 }

@@ -8,6 +8,7 @@
 #include "python/bindings.h"
 #include "python/future_object.h"
 #include "python/lane_runtime.h"
+#include "python/stdlib_waiters.h"
 
 namespace py = pybind11;
 
@@ -200,6 +201,7 @@ void init_lane(py::module_& m) {
   add_future_type(m.ptr());
   add_submitter_type(m.ptr());
 
+  m.def("stdlib_waiters_native", &stdlib_waiters_native);
   m.def("torch_state_reader", [] {
     const char* reader = torch_state_reader();
     return reader ? py::object(py::str(reader)) : py::object(py::none());

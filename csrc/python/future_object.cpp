@@ -9,7 +9,9 @@
 #include <string>
 
 #include "python/bindings.h"
+#include "python/future_lock.h"
 #include "python/lane_runtime.h"
+#include "python/stdlib_waiters.h"
 
 namespace py = pybind11;
 
@@ -21,8 +23,12 @@ constexpr int64_t kWaitSliceNs = 20'000'000;  // check for Ctrl-C this often
 
 PyTypeObject FutureBaseType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
-// concurrent.futures' state names, read once.
+// concurrent.futures' state names, read once: by FutureStatus, then what a done future
+// shows until its observers were told (Note [Observed futures]).
 PyObject* state_names[4];
+PyObject* unsettled_names[4];
+
+PyObject* str_invoke;
 
 FutureObject* self_of(PyObject* self) { return reinterpret_cast<FutureObject*>(self); }
 
@@ -135,26 +141,37 @@ PyObject* running(PyObject* self, PyObject*) {
   return PyBool_FromLong(self_of(self)->state().status() == FutureStatus::Running);
 }
 
-// True only for the call that cancels: Future.cancel() notifies observers then.
-PyObject* cancel_native(PyObject* self, PyObject*) {
-  return PyBool_FromLong(self_of(self)->state().try_cancel());
-}
-
-// Raises in a forked child for a pending future of the parent's lanes: the stdlib's
-// wait() and as_completed() take `_condition` first, and would otherwise wait forever.
-PyObject* check_not_orphaned(PyObject* self, PyObject*) {
+PyObject* cancel(PyObject* self, PyObject*) {
   auto* f = self_of(self);
-  if (in_forked_child && !f->state().done() && orphaned_by_fork(f)) return nullptr;
-  Py_RETURN_NONE;
+  if (f->state().try_cancel()) {
+    notify_future(self);  // by the call that cancels
+    Py_RETURN_TRUE;
+  }
+  return PyBool_FromLong(f->state().status() == FutureStatus::Cancelled);
 }
 
-PyObject* mark_observed(PyObject* self, PyObject*) {
-  self_of(self)->state().mark_observed();
-  Py_RETURN_NONE;
+// What the stdlib's wait() and as_completed() lock, made when first asked for: from then
+// on the worker notifies this future (Note [Observed futures]).
+PyObject* get_condition(PyObject* self, void*) {
+  auto* f = self_of(self);
+  // A forked child must not wait on the parent's lanes: wait() and as_completed() take
+  // `_condition` first, and would otherwise wait forever.
+  if (in_forked_child && !f->state().done() && orphaned_by_fork(f)) return nullptr;
+  if (f->cond == nullptr) {
+    PyObject* lock = new_future_lock();
+    if (lock == nullptr) return nullptr;
+    f->cond = lock;
+    f->state().mark_observed();
+  }
+  Py_INCREF(f->cond);
+  return f->cond;
 }
 
 PyObject* get_state(PyObject* self, void*) {
-  PyObject* name = state_names[static_cast<int>(self_of(self)->state().status())];
+  const FutureState& state = self_of(self)->state();
+  // Settled first: a status read after it is at least as new.
+  PyObject** names = state.settled() ? state_names : unsettled_names;
+  PyObject* name = names[static_cast<int>(state.status())];
   Py_INCREF(name);
   return name;
 }
@@ -199,13 +216,13 @@ PyMethodDef methods[] = {
     {"done", done, METH_NOARGS, nullptr},
     {"cancelled", cancelled, METH_NOARGS, nullptr},
     {"running", running, METH_NOARGS, nullptr},
-    {"_cancel_native", cancel_native, METH_NOARGS, nullptr},
-    {"_mark_observed", mark_observed, METH_NOARGS, nullptr},
-    {"_check_not_orphaned", check_not_orphaned, METH_NOARGS, nullptr},
+    {"cancel", cancel, METH_NOARGS,
+     "Cancels the task if it has not started; True when it is cancelled."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyGetSetDef getset[] = {
     {"_state", get_state, nullptr, "concurrent.futures' name for the state", nullptr},
+    {"_condition", get_condition, nullptr, "what concurrent.futures.wait() locks", nullptr},
     {"_status", get_status, nullptr, nullptr, nullptr},
     {"_waiters", get_waiters, nullptr, nullptr, nullptr},
     {"_id", get_id, nullptr, nullptr, nullptr},
@@ -221,11 +238,48 @@ PyMemberDef members[] = {
     {"_result", T_OBJECT, offsetof(FutureObject, result), 0, nullptr},
     {"_exception", T_OBJECT, offsetof(FutureObject, exception), 0, nullptr},
     {"_lane", T_OBJECT, offsetof(FutureObject, lane), READONLY, nullptr},
-    {"_cond", T_OBJECT, offsetof(FutureObject, cond), 0, nullptr},
     {"_callbacks", T_OBJECT, offsetof(FutureObject, callbacks), 0, nullptr},
     {nullptr, 0, 0, 0, nullptr}};
 
 }  // namespace
+
+void notify_future(PyObject* obj) {
+  auto* f = self_of(obj);
+  if (f->cond == nullptr) return;  // never observed: no waiter, no callback
+  PyObject* cond = Py_NewRef(f->cond);
+  // The stdlib's order: waiters are told under the condition, callbacks run after it.
+  if (lock_future_lock(cond, -1.0) != 1) {  // lets the GIL go while it blocks
+    PyErr_WriteUnraisable(obj);
+    Py_DECREF(cond);
+    return;
+  }
+  PyObject* callbacks = nullptr;
+  if (!f->state().settled()) {
+    Outcome outcome = Outcome::Result;
+    if (f->state().status() == FutureStatus::Cancelled) {
+      outcome = Outcome::Cancelled;
+    } else if (f->exception != nullptr || f->state().native_error() != NativeError::None) {
+      outcome = Outcome::Exception;
+    }
+    // Waiters come and go only under the condition, which this thread holds.
+    for (Py_ssize_t i = 0; f->waiters != nullptr && i < PyList_GET_SIZE(f->waiters); ++i) {
+      PyObject* waiter = Py_NewRef(PyList_GET_ITEM(f->waiters, i));
+      if (!tell_waiter(waiter, obj, outcome)) PyErr_WriteUnraisable(waiter);
+      Py_DECREF(waiter);
+    }
+    f->state().mark_notified();
+    callbacks = f->callbacks;
+    f->callbacks = nullptr;
+  }
+  if (!unlock_future_lock(cond)) PyErr_WriteUnraisable(obj);
+  Py_DECREF(cond);
+  for (Py_ssize_t i = 0; callbacks != nullptr && i < PyList_GET_SIZE(callbacks); ++i) {
+    PyObject* r = PyObject_CallMethodOneArg(obj, str_invoke, PyList_GET_ITEM(callbacks, i));
+    if (r == nullptr) PyErr_WriteUnraisable(obj);
+    Py_XDECREF(r);
+  }
+  Py_XDECREF(callbacks);
+}
 
 double parse_timeout(PyObject* timeout) {
   if (timeout == nullptr || timeout == Py_None) return -1.0;
@@ -277,8 +331,17 @@ void add_future_type(PyObject* module) {
   PyObject* base = PyImport_ImportModule("concurrent.futures._base");
   if (base == nullptr) throw py::error_already_set();
   const char* names[4] = {"PENDING", "RUNNING", "CANCELLED_AND_NOTIFIED", "FINISHED"};
-  for (int i = 0; i < 4; ++i) state_names[i] = PyObject_GetAttrString(base, names[i]);
+  // Done, observers not yet told: a stdlib future cancelled but not yet notified shows
+  // CANCELLED; one finishing is still RUNNING until its waiters were told.
+  const char* unsettled[4] = {"PENDING", "RUNNING", "CANCELLED", "RUNNING"};
+  for (int i = 0; i < 4; ++i) {
+    state_names[i] = PyObject_GetAttrString(base, names[i]);
+    unsettled_names[i] = PyObject_GetAttrString(base, unsettled[i]);
+  }
   Py_DECREF(base);
+  add_future_lock_type(module);
+  str_invoke = PyUnicode_InternFromString("_invoke");
+  init_stdlib_waiters();
 
   FutureBaseType.tp_name = "pydflash._C.FutureBase";
   FutureBaseType.tp_basicsize = sizeof(FutureObject);

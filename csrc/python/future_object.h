@@ -17,7 +17,7 @@ struct FutureObject {
   PyObject* result;     // set by the worker
   PyObject* exception;  // set by the worker (with a note naming the lane)
   PyObject* lane;       // the pydflash.Lane that runs it
-  PyObject* cond;       // threading.Condition, made when first observed
+  PyObject* cond;       // `_condition`: a _thread.RLock, made when first observed
   PyObject* waiters;    // list, made on first use (concurrent.futures.wait)
   PyObject* callbacks;  // list of done callbacks
   // The native state lives in the object, not beside it: one allocation per task, from
@@ -38,6 +38,11 @@ PyObject* new_future(PyObject* type, uint64_t id, PyObject* lane);
 std::shared_ptr<FutureState> state_of(PyObject* future);
 
 FutureObject* as_future(PyObject* obj);
+
+/// Tells the future's concurrent.futures waiters that it is done and runs its done
+/// callbacks, once: a future already settled is left alone (Note [Observed futures]).
+/// Entered; errors raised by waiters or callbacks are reported as unraisable.
+void notify_future(PyObject* future);
 
 /// Seconds from a Python timeout: null or None is -1 (wait forever), a negative number
 /// is 0. Returns -2 with a Python error set when it is not a number.

@@ -266,7 +266,7 @@ class PythonTask final : public TaskBody {
     return true;
   }
 
-  void notify(FutureState&) override { notify_python_future(future_.ptr()); }
+  void notify(FutureState&) override { notify_future(future_.ptr()); }
   std::string label() const override { return label_; }
 
  private:
@@ -317,7 +317,7 @@ class GraphTask final : public TaskBody {
   bool needs_interpreter_to_destroy() const override { return future_ != nullptr; }
 
   bool run(Lane& lane, FutureState* state) override;
-  void notify(FutureState&) override { notify_python_future(future_); }
+  void notify(FutureState&) override { notify_future(future_); }
   std::string label() const override { return "graph"; }
 
  private:
@@ -341,7 +341,7 @@ class GraphRelease final : public TaskBody {
   explicit GraphRelease(GraphCompletion* done) : done_(done) {}
   bool needs_interpreter() const override { return true; }
   bool run(Lane& lane, FutureState*) override {
-    if (done_->observed) notify_python_future(done_->future);
+    if (done_->observed) notify_future(done_->future);
     Py_XDECREF(done_->keepalive);
     Py_XDECREF(done_->future);
     lane.device_work_finished();
@@ -476,12 +476,6 @@ const char* torch_state_reader() {
   const TorchApi* api = TorchApi::get();
   if (api == nullptr) return nullptr;
   return api->tls.found() ? "native" : "python";
-}
-
-void notify_python_future(PyObject* future) {
-  PyObject* r = PyObject_CallMethod(future, "_notify", nullptr);
-  if (r == nullptr) PyErr_WriteUnraisable(future);
-  Py_XDECREF(r);
 }
 
 py::object make_python_future(LaneRuntime& rt, uint64_t id, py::handle lane) {

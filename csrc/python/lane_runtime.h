@@ -105,7 +105,4 @@ std::unique_ptr<TaskBody> make_graph_task(LaneRuntime& rt, uintptr_t graph_exec,
 /// Python calls]), "python", or null before torch is imported. Entered.
 const char* torch_state_reader();
 
-/// Wakes the Python future's waiters and runs its callbacks (Future._notify). Entered.
-void notify_python_future(PyObject* future);
-
 }  // namespace pydflash::python

@@ -56,7 +56,34 @@ TEST_CASE("future: an observer and the finisher never both miss each other") {
     finisher.join();
     observer.join();
     CHECK(finisher_saw || observer_saw);
+    // Settled at once exactly when nobody is left to notify.
+    CHECK(f.settled() == !finisher_saw);
   }
+}
+
+TEST_CASE("future: an observed future is settled once its observers were told") {
+  FutureState watched(1);
+  watched.mark_observed();
+  CHECK(watched.try_start());
+  CHECK(!watched.settled());
+  CHECK(watched.finish());  // the finisher must notify
+  CHECK(watched.done() && !watched.settled());
+  watched.mark_notified();
+  CHECK(watched.settled());
+
+  FutureState unwatched(2);
+  CHECK(unwatched.try_start());
+  CHECK(!unwatched.finish());
+  CHECK(unwatched.settled());
+  unwatched.mark_observed();  // observed after it finished: nobody will notify
+  CHECK(unwatched.settled() && unwatched.observed());
+
+  FutureState cancelled(3);
+  cancelled.mark_observed();
+  CHECK(cancelled.try_cancel());
+  CHECK(cancelled.status() == FutureStatus::Cancelled && !cancelled.settled());
+  cancelled.mark_notified();
+  CHECK(cancelled.settled());
 }
 
 TEST_CASE("queue: many producers, FIFO per producer, nothing lost") {

@@ -111,10 +111,11 @@ struct Round {
     PYDFLASH_INTERNAL_ASSERT(i < slots.size());
     return i;
   }
-  /// What a Python observer's _notify stands for.
+  /// What notify_future (csrc/python/future_object.cpp) stands for.
   void notify(uint32_t i) {
     if (!gil->held()) breach(kNotifiedNotEntered);
     slots[i].notifies.fetch_add(1);
+    slots[i].future->mark_notified();
   }
 };
 
@@ -441,6 +442,7 @@ RoundResult run_round(int round_index, uint64_t quota) {
     expect(s.notifies.load() <= 1, i, "notified more than once");
     expect(!s.observer_saw_pending.load() || s.notifies.load() == 1, i,
            "observed while pending but never notified");
+    expect(s.future->settled(), i, "never settled");
     const FutureStatus status = s.future->status();
     if (status == FutureStatus::Finished) {
       ++result.finished;
