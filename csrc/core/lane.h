@@ -128,6 +128,8 @@ class Lane : public std::enable_shared_from_this<Lane> {
   bool closed() const { return queue_.closed(); }
   bool forked() const;
 
+  /// Tasks submitted so far (a hint: relaxed).
+  uint64_t submitted() const { return submitted_.load(std::memory_order_relaxed); }
   /// Queued plus running plus on the device: what least-busy placement compares.
   uint64_t load() const;
   LaneStats stats() const;

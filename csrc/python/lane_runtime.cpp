@@ -18,6 +18,9 @@ namespace pydflash::python {
 namespace {
 
 constexpr int64_t kEnterPollNs = 100'000;
+// A submitter quiet for this long is no longer submitting: see Note [Entering when the
+// GIL is free].
+constexpr int64_t kSubmitGapNs = 10'000;
 
 // Note [No static locals that call Python]: a function-local static is guarded by a
 // C++ lock held during its initializer. If that initializer imports (and so lets the
@@ -405,12 +408,25 @@ LaneRuntime::~LaneRuntime() {
   // never ran leaks them rather than touching Python without the GIL.
 }
 
-void LaneRuntime::thread_started(Lane&) { tstate_ = PyThreadState_New(interp_); }
+void LaneRuntime::thread_started(Lane& lane) {
+  lane_ = &lane;
+  tstate_ = PyThreadState_New(interp_);
+}
 
 void LaneRuntime::enter() {
   // Note [Entering when the GIL is free].
-  const int64_t until = now_ns() + kEnterPollNs;
-  while (!WaitingWithoutGil::any() && now_ns() < until) std::this_thread::yield();
+  const int64_t start = now_ns();
+  int64_t last_submit = start;
+  uint64_t submitted = lane_->submitted();
+  while (!WaitingWithoutGil::any()) {
+    const int64_t now = now_ns();
+    if (lane_->submitted() != submitted) {
+      submitted = lane_->submitted();
+      last_submit = now;
+    }
+    if (now - start >= kEnterPollNs || now - last_submit >= kSubmitGapNs) break;
+    std::this_thread::yield();
+  }
   PyEval_RestoreThread(tstate_);
 }
 

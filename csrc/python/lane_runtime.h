@@ -17,7 +17,10 @@ namespace pydflash::python {
 /// block in CPython's take_gil while the submitter still holds the GIL, and then pay a
 /// futex wake-up when it lets go. Threads waiting on a pydflash future count
 /// themselves here once they have released the GIL; a worker about to enter polls
-/// this briefly first, so it usually finds the GIL free.
+/// this briefly first, so it usually finds the GIL free. It polls only while the
+/// submitter keeps submitting: one that stopped may be about to let the GIL go in a
+/// wait that does not count itself (concurrent.futures.wait blocks in a
+/// threading.Event), and polling on would leave the GIL idle for the rest of the poll.
 class WaitingWithoutGil {
  public:
   WaitingWithoutGil() { count().fetch_add(1, std::memory_order_relaxed); }
@@ -75,6 +78,7 @@ class LaneRuntime : public Interpreter {
  private:
   PyInterpreterState* interp_;
   PyThreadState* tstate_ = nullptr;
+  const Lane* lane_ = nullptr;  // set when the worker starts
   PyObject* future_type_;          // owned; released entered
   PyObject* set_stream_ = nullptr;  // owned: torch._C._cuda_setStream
   PyObject* set_stream_args_ = nullptr;
