@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from .lane import Lane
 
 _CANCELLED = 2
+_FINISHED = 3
+_STATE_NAMES = ("pending", "running", "cancelled", "finished")  # by _status
 _NATIVE_ERRORS = {1: CudaError, 2: PydflashError}
 
 
@@ -97,4 +99,12 @@ class Future(C.FutureBase, concurrent.futures.Future):
         return result
 
     def __repr__(self) -> str:
-        return f"<pydflash.Future id={self._id} state={self._state.lower()}>"
+        # concurrent.futures.Future's form, under this class's name.
+        status = self._status
+        head = f"<pydflash.Future at {id(self):#x} state={_STATE_NAMES[status]}"
+        if status != _FINISHED:
+            return head + ">"
+        failure = self._failure()
+        if failure is not None:
+            return f"{head} raised {type(failure).__name__}>"
+        return f"{head} returned {type(self._result).__name__}>"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import concurrent.futures._base as base
 import functools
+import re
 import sys
 import textwrap
 import threading
@@ -147,6 +148,31 @@ def test_one_wait_over_pydflash_and_stdlib_futures() -> None:
         theirs_gate.set()
         lanes.shutdown()
         pool.shutdown()
+
+
+# --- repr ------------------------------------------------------------------------------------
+
+
+def test_repr_has_the_stdlib_form(executor) -> None:
+    def shape(future: cf.Future) -> str:
+        text = repr(future)
+        assert f" at {id(future):#x} " in text
+        return re.sub(r"^<(pydflash\.)?Future at 0x[0-9a-f]+ ", "<Future at ", text)
+
+    gate, running = hold(executor)
+    pending = executor.submit(int)
+    cancelled = executor.submit(int)
+    cancelled.cancel()
+    returned, raised = executor.submit(int, 3), executor.submit(int, "x")
+    assert shape(pending) == "<Future at state=pending>"
+    assert shape(running) == "<Future at state=running>"
+    assert shape(cancelled) == "<Future at state=cancelled>"
+    gate.set()
+    cf.wait([returned, raised])
+    assert shape(returned) == "<Future at state=finished returned int>"
+    assert shape(raised) == "<Future at state=finished raised ValueError>"
+    if isinstance(executor, pydflash.Dispatcher):
+        assert repr(returned).startswith("<pydflash.Future at ")
 
 
 # --- how the worker tells the stdlib's waiters ---------------------------------------------
