@@ -1,9 +1,11 @@
 """Section 1, dispatch: what a task costs to hand to a lane and get back.
 
 An empty callable, per task: submit then result (one round trip at a time), and 64
-submitted then waited (pipelined). pydflash's Dispatcher with one lane against
-ThreadPoolExecutor(1), on a CPU lane and, when there is a GPU, on a GPU lane (which
-also records a CUDA event per task). Tracing on is measured against tracing off.
+submitted then waited (pipelined): by a result() loop, by concurrent.futures.wait and by
+concurrent.futures.as_completed, the stdlib's own functions. pydflash's Dispatcher with
+one lane against ThreadPoolExecutor(1), on a CPU lane and, when there is a GPU, on a GPU
+lane (which also records a CUDA event per task). Tracing on is measured against tracing
+off.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ ROUND_TRIPS_PER_SAMPLE = 20  # round trips per timed sample: a few µs each is b
 PIPELINED = 64
 TARGET_ROUND_TRIP = "ratio <= 0.25"
 TARGET_PIPELINED = "ratio <= 0.10"
+TARGET_STDLIB_WAIT = "ratio <= 0.25"
 BASELINE = "ThreadPoolExecutor(1)"
 
 
@@ -37,6 +40,23 @@ def pipelined(executor: concurrent.futures.Executor) -> Callable[[], None]:
     def run() -> None:
         futures = [executor.submit(noop) for _ in range(PIPELINED)]
         [f.result() for f in futures]
+
+    return run
+
+
+def stdlib_wait(executor: concurrent.futures.Executor) -> Callable[[], None]:
+    def run() -> None:
+        concurrent.futures.wait([executor.submit(noop) for _ in range(PIPELINED)])
+
+    return run
+
+
+def stdlib_as_completed(executor: concurrent.futures.Executor) -> Callable[[], None]:
+    def run() -> None:
+        for _ in concurrent.futures.as_completed(
+            [executor.submit(noop) for _ in range(PIPELINED)]
+        ):
+            pass
 
     return run
 
@@ -62,12 +82,20 @@ def measure(ctx: Context, kind: str, device: Any) -> list[Row]:
             each._native.take_trace()
         ctx.progress(f"{kind} lane: {PIPELINED} submitted then waited, {reps} samples")
         batch = interleaved_medians({"pydflash": pipelined(lane), "pool": pipelined(pool)}, reps)
+        ctx.progress(f"{kind} lane: {PIPELINED} submitted, stdlib wait, {reps} samples")
+        stdlib = interleaved_medians(
+            {"wait": stdlib_wait(lane), "pool wait": stdlib_wait(pool),
+             "as_completed": stdlib_as_completed(lane),
+             "pool as_completed": stdlib_as_completed(pool)},
+            reps,
+        )
     finally:
         lane.shutdown()
         traced.shutdown()
         pool.shutdown()
     per_trip = {k: v / ROUND_TRIPS_PER_SAMPLE * us for k, v in single.items()}
     per_task = {k: v / PIPELINED * us for k, v in batch.items()}
+    per_waited = {k: v / PIPELINED * us for k, v in stdlib.items()}
     note = "records a CUDA event per task" if kind == "gpu" else ""
     return [
         compare(SECTION, f"{kind} lane: submit→result", per_trip["pydflash"], "us", BASELINE,
@@ -75,6 +103,12 @@ def measure(ctx: Context, kind: str, device: Any) -> list[Row]:
                 samples=reps),
         compare(SECTION, f"{kind} lane: {PIPELINED} submitted, then waited", per_task["pydflash"],
                 "us", BASELINE, per_task["pool"], TARGET_PIPELINED, note, samples=reps),
+        compare(SECTION, f"{kind} lane: {PIPELINED} submitted, concurrent.futures.wait",
+                per_waited["wait"], "us", BASELINE, per_waited["pool wait"], TARGET_STDLIB_WAIT,
+                note, samples=reps),
+        compare(SECTION, f"{kind} lane: {PIPELINED} submitted, concurrent.futures.as_completed",
+                per_waited["as_completed"], "us", BASELINE, per_waited["pool as_completed"],
+                TARGET_STDLIB_WAIT, note, samples=reps),
         compare(SECTION, f"{kind} lane: submit→result, tracing on", per_trip["traced"], "us",
                 "tracing off", per_trip["pydflash"], None, "what recording a trace costs",
                 samples=reps),
@@ -97,5 +131,9 @@ def run(ctx: Context) -> list[Row]:
             not_run(SECTION, "gpu lane: submit→result", reason, TARGET_ROUND_TRIP),
             not_run(SECTION, f"gpu lane: {PIPELINED} submitted, then waited", reason,
                     TARGET_PIPELINED),
+            not_run(SECTION, f"gpu lane: {PIPELINED} submitted, concurrent.futures.wait", reason,
+                    TARGET_STDLIB_WAIT),
+            not_run(SECTION, f"gpu lane: {PIPELINED} submitted, concurrent.futures.as_completed",
+                    reason, TARGET_STDLIB_WAIT),
         ]
     return rows

@@ -95,7 +95,9 @@ def test_measured_rows_are_medians_compared_in_the_same_run(quick_run):
             assert row.ratio == pytest.approx(row.value / row.baseline)
         assert row.met == meets(row)  # never stated, always derived from the figures
     names = {r.name for r in measured}
-    assert {"cpu lane: submit→result", "cpu lane: 64 submitted, then waited"} <= names
+    assert {"cpu lane: submit→result", "cpu lane: 64 submitted, then waited",
+            "cpu lane: 64 submitted, concurrent.futures.wait",
+            "cpu lane: 64 submitted, concurrent.futures.as_completed"} <= names
     baselines = {r.baseline_name for r in measured}
     assert {"ThreadPoolExecutor(1)", "sequential eager (1 thread)"} <= baselines
 
