@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import os
-import warnings
 import weakref
 from typing import Any, Callable, Iterable
 
-from . import guards
+from . import _exit, guards
 from ._future import Future
 from ._native import C
 from .devices import parse_device, parse_devices
 from .lane import DEFAULT_SPIN_US, Lane
-
-EXIT_TIMEOUT_S = float(os.environ.get("PYDFLASH_EXIT_TIMEOUT", "30"))
-
-_live: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
 
 
 class Dispatcher(concurrent.futures.Executor):
@@ -71,7 +65,7 @@ class Dispatcher(concurrent.futures.Executor):
         self.submit = C.Submitter(
             tuple(lane._native for lane in self._lanes), tuple(self._lanes), repr(self)
         )
-        _live.add(self)
+        _exit.track(self._lanes)  # queued work runs before the interpreter exits
         # Dropped without shutdown: let queued work finish, then let the workers go.
         weakref.finalize(self, _shutdown_lanes, list(self._lanes), False, False)
 
@@ -143,8 +137,9 @@ class Dispatcher(concurrent.futures.Executor):
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stops accepting work. wait: return once every lane has finished what it had
-        (and give back this dispatcher's hold on its guards). cancel_futures:
-        cancel what is still queued."""
+        (and give back this dispatcher's hold on its guards); without it, queued work
+        still runs before the interpreter exits. cancel_futures: cancel what is still
+        queued."""
         _shutdown_lanes(self._lanes, wait, cancel_futures)
         if wait and self._guard is not None:
             # Lanes still running (wait=False) may still launch Triton kernels: keep it.
@@ -182,19 +177,3 @@ def _shutdown_lanes(lanes: list[Lane], wait: bool, cancel_futures: bool) -> None
         for lane in lanes:
             if not lane._native.forked:
                 lane._native.join(None)
-
-
-@atexit.register
-def _shutdown_at_exit() -> None:
-    # Queued work is cancelled; running tasks get EXIT_TIMEOUT_S to finish. A task that
-    # never returns is left behind rather than hanging the interpreter's exit.
-    lanes = [lane for d in list(_live) for lane in d._lanes if not lane._native.forked]
-    for lane in lanes:
-        lane._native.shutdown(True)
-    for lane in lanes:
-        if not lane._native.join(EXIT_TIMEOUT_S):
-            warnings.warn(
-                f"pydflash {lane._native.label} still running a task at exit; leaving it",
-                RuntimeWarning,
-                stacklevel=1,
-            )

@@ -60,3 +60,29 @@ def guard_module():
     guards.unguard_triton()
     if was:
         guards.guard_triton(missing_ok=True)
+
+
+@pytest.fixture
+def start_python(python_subprocess_env):
+    """Starts a Python snippet in a fresh interpreter, with text pipes for stdout and
+    stderr; returns the Popen and kills what is still running at teardown."""
+    import subprocess
+
+    children = []
+
+    def start(code: str, env: dict | None = None):
+        child = subprocess.Popen(
+            [sys.executable, "-c", code],
+            env={**python_subprocess_env, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        children.append(child)
+        return child
+
+    yield start
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+        child.communicate()

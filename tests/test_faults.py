@@ -8,6 +8,7 @@ import functools
 import json
 import random
 import re
+import signal
 import textwrap
 import threading
 import time
@@ -437,9 +438,10 @@ def test_forked_child_gets_clear_errors_and_can_make_its_own_dispatcher(run_pyth
 
 @pytest.mark.parametrize("stuck", ["busy", "sleeping"])
 def test_exit_with_a_task_that_never_returns(run_python, stuck: str) -> None:
-    # A task that never returns is left behind after PYDFLASH_EXIT_TIMEOUT; the interpreter
-    # ends its thread while finalizing. Repeated: the crash this guards against was
-    # intermittent (a task destroyed without the GIL during the final collection).
+    # A task that never returns is left behind after PYDFLASH_EXIT_TIMEOUT and what is
+    # queued behind it cancelled; the interpreter ends its thread while finalizing.
+    # Repeated: the crash this guards against was intermittent (a task destroyed without
+    # the GIL during the final collection).
     body = "pass" if stuck == "busy" else "time.sleep(0.01)"
     source = textwrap.dedent(f"""
         import time, pydflash
@@ -461,29 +463,29 @@ def test_exit_with_a_task_that_never_returns(run_python, stuck: str) -> None:
         )
         assert done.returncode == 0, f"rc={done.returncode}\n{done.stderr[-5000:]}"
         assert "exiting" in done.stdout
-        assert "pydflash lane 0 (cpu) still running a task at exit; leaving it" in done.stderr
-        assert "Fatal Python error" not in done.stderr
+        # Lane 1 runs its 2,500 queued tasks; lane 0's stay behind the stuck one.
+        assert done.stderr == (
+            "pydflash: exit stopped waiting for lane 0 (cpu) (a task ran past "
+            "PYDFLASH_EXIT_TIMEOUT=0.5 s): 1 task left running, 2500 queued tasks cancelled\n"
+        )
 
 
-def test_exit_cancels_queued_work_and_lets_the_running_task_finish(run_python) -> None:
+def test_exit_lets_the_running_task_finish_then_runs_the_queue(run_python) -> None:
     done = run_python(
         textwrap.dedent(
             """
             import threading, time, pydflash
             d = pydflash.Dispatcher(["cpu"], guard_triton=False)
-            queued = []
             started = threading.Event()
             def running():
                 started.set()
-                # Returns once exit has cancelled the queue (bounded, so a bug cannot hang).
+                # Returns once exit has closed the lane (bounded, so a bug cannot hang).
                 deadline = time.monotonic() + 60
-                def all_cancelled():
-                    return len(queued) == 100 and all(f.cancelled() for f in queued)
-                while not all_cancelled() and time.monotonic() < deadline:
+                while not d.lanes[0]._native.closed and time.monotonic() < deadline:
                     time.sleep(0.001)
-                print("running task finished; queue cancelled:", all_cancelled(), flush=True)
+                print("running task finished at exit:", d.lanes[0]._native.closed, flush=True)
             d.submit(running)
-            queued.extend(d.submit(print, "queued task ran", flush=True) for _ in range(100))
+            queued = [d.submit(print, "queued task ran", i, flush=True) for i in range(100)]
             started.wait(60)  # exit while it runs, not before the lane picked it up
             print("exiting", flush=True)
             """
@@ -491,6 +493,48 @@ def test_exit_cancels_queued_work_and_lets_the_running_task_finish(run_python) -
         timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert done.returncode == 0, done.stderr
-    assert "running task finished; queue cancelled: True" in done.stdout
-    assert "queued task ran" not in done.stdout
+    assert done.stdout.splitlines() == [
+        "exiting",
+        "running task finished at exit: True",
+        *(f"queued task ran {i}" for i in range(100)),
+    ]
     assert done.stderr == ""
+
+
+def test_ctrl_c_at_exit_says_what_it_waits_for_and_a_second_ends_it(start_python) -> None:
+    child = start_python(
+        textwrap.dedent(
+            """
+            import time, pydflash
+            d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+            long = d.submit(time.sleep, 60)
+            d.submit(print, "queued task ran")
+            while not long.running():
+                time.sleep(0.001)
+            print("started", flush=True)
+            long.result()
+            """
+        )
+    )
+    assert child.stdout.readline() == "started\n"
+    child.send_signal(signal.SIGINT)
+    said = []
+    for line in child.stderr:  # the KeyboardInterrupt's traceback, then pydflash's line
+        said.append(line)
+        if line.startswith("pydflash: "):
+            break
+    assert said[0] == "Traceback (most recent call last):\n" and said[-2] == "KeyboardInterrupt\n"
+    assert said[-1] == (
+        "pydflash: exit waits for lane 0 (cpu) to finish 1 running and 1 queued task; press "
+        "Ctrl-C again to stop waiting (a task running longer than PYDFLASH_EXIT_TIMEOUT=30 s "
+        "is left behind)\n"
+    )
+    sent = time.monotonic()
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+    assert time.monotonic() - sent < 10  # neither the 60 s task nor the 30 s timeout
+    assert err == (
+        "pydflash: exit stopped waiting for lane 0 (cpu) (Ctrl-C): 1 task left running, "
+        "1 queued task cancelled\n"
+    )
+    assert out == "" and child.returncode == -signal.SIGINT

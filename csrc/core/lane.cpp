@@ -187,6 +187,12 @@ bool Lane::join(double timeout_s) {
   return true;
 }
 
+bool Lane::exited() {
+  if (thread_ == nullptr) return true;
+  std::lock_guard<std::mutex> lock(exit_mutex_);
+  return exited_;
+}
+
 uint64_t Lane::load() const {
   // Finished first: a task counts as submitted before it can finish, so this never
   // goes below zero.

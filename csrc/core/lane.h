@@ -126,6 +126,8 @@ class Lane : public std::enable_shared_from_this<Lane> {
   /// (timeout_s < 0 waits forever).
   bool join(double timeout_s);
   bool closed() const { return queue_.closed(); }
+  /// Whether the worker has run its last task and left (true when it never started).
+  bool exited();
   bool forked() const;
 
   /// Tasks submitted so far (a hint: relaxed).

@@ -273,6 +273,7 @@ void init_lane(py::module_& m) {
           },
           py::arg("timeout") = py::none())
       .def_property_readonly("closed", [](const PyLane& l) { return l.lane->closed(); })
+      .def_property_readonly("exited", [](PyLane& l) { return l.lane->exited(); })
       .def_property_readonly("forked", [](const PyLane& l) { return l.lane->forked(); })
       .def("set_tracing", [](PyLane& l, bool on) { l.lane->set_tracing(on); })
       .def("take_trace", [](PyLane& l) {

@@ -1,0 +1,117 @@
+"""Lanes at interpreter exit: as with concurrent.futures, the program exits once the work
+queued on its lanes has run.
+
+A hook that runs before non-daemon threads are joined (where concurrent.futures runs its
+own) closes every lane and waits for each to finish what it has. A lane whose task runs
+past PYDFLASH_EXIT_TIMEOUT without any task ending, or every lane at Ctrl-C during the
+wait, is left: its queued tasks are cancelled and stderr names the lane and the counts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    from .lane import Lane
+
+EXIT_TIMEOUT_S = float(os.environ.get("PYDFLASH_EXIT_TIMEOUT", "30"))
+_POLL_S = 0.05  # how often the wait looks for progress; Ctrl-C is seen this soon
+
+# Every lane whose worker may still run, also once its dispatcher is gone: a dropped
+# dispatcher's queue still runs. A lane is forgotten once its worker has exited.
+_lanes: set[Lane] = set()
+
+
+def track(lanes: Iterable[Lane]) -> None:
+    for lane in list(_lanes):
+        if lane._native.exited or lane._native.forked:
+            _lanes.discard(lane)
+    _lanes.update(lanes)
+
+
+class _Progress:
+    """A closed lane finishing its queue; stuck once no task of it has ended for
+    EXIT_TIMEOUT_S."""
+
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+        self.left = lane._native.load()
+        self.since = time.monotonic()
+        self.abandoned = False
+
+    @property
+    def done(self) -> bool:
+        return self.abandoned or self.lane._native.exited
+
+    def stuck(self) -> bool:
+        left, now = self.lane._native.load(), time.monotonic()
+        if left != self.left:
+            self.left, self.since = left, now
+        return now - self.since >= EXIT_TIMEOUT_S
+
+    def abandon(self, why: str) -> None:
+        """Cancels what is still queued and says what is left."""
+        if self.done:
+            return
+        self.abandoned = True
+        cancelled = self.lane._native.shutdown(True)
+        running = self.lane._native.load()  # what is left once the queue is cancelled
+        if running or cancelled:
+            _say(
+                f"exit stopped waiting for {self.lane._native.label} ({why}): "
+                f"{_tasks(running)} left running, {_tasks(cancelled, 'queued')} cancelled"
+            )
+
+
+def _tasks(n: int, kind: str = "") -> str:
+    return f"{n} {kind} task{'' if n == 1 else 's'}".replace("  ", " ")
+
+
+def _say(line: str) -> None:
+    if sys.stderr is not None:
+        print(f"pydflash: {line}", file=sys.stderr, flush=True)
+
+
+def _after_ctrl_c() -> bool:
+    # The exception that ended the main script, as the interpreter recorded it.
+    last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    return isinstance(last, KeyboardInterrupt)
+
+
+def _say_waiting(lanes: list[Lane]) -> None:
+    stats = [lane._native.stats() for lane in lanes]
+    running = sum(s["running"] + s["on_device"] for s in stats)
+    queued = sum(s["queued"] for s in stats)
+    labels = ", ".join(lane._native.label for lane in lanes)
+    _say(
+        f"exit waits for {labels} to finish {running} running and {_tasks(queued, 'queued')}; "
+        f"press Ctrl-C again to stop waiting (a task running longer than "
+        f"PYDFLASH_EXIT_TIMEOUT={EXIT_TIMEOUT_S:g} s is left behind)"
+    )
+
+
+def _finish_at_exit() -> None:
+    busy = [_Progress(lane) for lane in list(_lanes) if not lane._native.forked]
+    try:
+        for progress in busy:
+            progress.lane._native.shutdown(False)  # no new work; what is queued runs
+        busy = [p for p in busy if not p.done]
+        if busy and _after_ctrl_c():
+            _say_waiting([p.lane for p in busy])
+        while busy:
+            busy[0].lane._native.join(_POLL_S)
+            for p in busy:
+                if not p.done and p.stuck():
+                    p.abandon(f"a task ran past PYDFLASH_EXIT_TIMEOUT={EXIT_TIMEOUT_S:g} s")
+            busy = [p for p in busy if not p.done]
+    except KeyboardInterrupt:
+        for p in busy:
+            p.abandon("Ctrl-C")
+
+
+# Where concurrent.futures' ThreadPoolExecutor registers its own exit hook.
+threading._register_atexit(_finish_at_exit)
