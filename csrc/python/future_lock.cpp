@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "core/clock.h"
+#include "python/lane_runtime.h"
 
 namespace py = pybind11;
 
@@ -104,6 +105,7 @@ PyObject* acquire(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObj
     PyErr_SetString(PyExc_ValueError, "timeout value must be a non-negative number");
     return nullptr;
   }
+  WaitingWithoutGil::preparing();
   const int got = lock_future_lock(self, block ? t : 0.0);
   if (got < 0) return nullptr;
   return PyBool_FromLong(got);
@@ -115,6 +117,7 @@ PyObject* release(PyObject* self, PyObject*) {
 }
 
 PyObject* enter_method(PyObject* self, PyObject*) {
+  WaitingWithoutGil::preparing();
   if (lock_future_lock(self, -1.0) < 0) return nullptr;
   Py_RETURN_TRUE;
 }

@@ -17,10 +17,10 @@ namespace py = pybind11;
 namespace pydflash::python {
 namespace {
 
-constexpr int64_t kEnterPollNs = 100'000;
-// A submitter quiet for this long is no longer submitting: see Note [Entering when the
-// GIL is free].
-constexpr int64_t kSubmitGapNs = 10'000;
+// Note [Entering when the GIL is free]: a worker polls at most this long, and stops once
+// the GIL's holder has been quiet (no submit, no `_condition` taken) for kQuietNs.
+constexpr int64_t kEnterPollNs = 300'000;
+constexpr int64_t kQuietNs = 10'000;
 
 // Note [No static locals that call Python]: a function-local static is guarded by a
 // C++ lock held during its initializer. If that initializer imports (and so lets the
@@ -415,16 +415,17 @@ void LaneRuntime::thread_started(Lane& lane) {
 
 void LaneRuntime::enter() {
   // Note [Entering when the GIL is free].
+  auto activity = [&] { return lane_->submitted() + WaitingWithoutGil::preparations(); };
   const int64_t start = now_ns();
-  int64_t last_submit = start;
-  uint64_t submitted = lane_->submitted();
+  int64_t last_active = start;
+  uint64_t seen = activity();
   while (!WaitingWithoutGil::any()) {
     const int64_t now = now_ns();
-    if (lane_->submitted() != submitted) {
-      submitted = lane_->submitted();
-      last_submit = now;
+    if (activity() != seen) {
+      seen = activity();
+      last_active = now;
     }
-    if (now - start >= kEnterPollNs || now - last_submit >= kSubmitGapNs) break;
+    if (now - start >= kEnterPollNs || now - last_active >= kQuietNs) break;
     std::this_thread::yield();
   }
   PyEval_RestoreThread(tstate_);

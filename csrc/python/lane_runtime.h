@@ -17,10 +17,11 @@ namespace pydflash::python {
 /// block in CPython's take_gil while the submitter still holds the GIL, and then pay a
 /// futex wake-up when it lets go. Threads waiting on a pydflash future count
 /// themselves here once they have released the GIL; a worker about to enter polls
-/// this briefly first, so it usually finds the GIL free. It polls only while the
-/// submitter keeps submitting: one that stopped may be about to let the GIL go in a
-/// wait that does not count itself (concurrent.futures.wait blocks in a
-/// threading.Event), and polling on would leave the GIL idle for the rest of the poll.
+/// this briefly first, so it usually finds the GIL free. It polls only while the GIL's
+/// holder is busy with pydflash: submitting, or taking futures' `_condition`s as
+/// concurrent.futures.wait does before it blocks in a threading.Event, a wait that does
+/// not count itself. A holder quiet for a moment may have let the GIL go that way, and
+/// polling on would leave the GIL idle.
 class WaitingWithoutGil {
  public:
   WaitingWithoutGil() { count().fetch_add(1, std::memory_order_relaxed); }
@@ -28,11 +29,18 @@ class WaitingWithoutGil {
   WaitingWithoutGil(const WaitingWithoutGil&) = delete;
   WaitingWithoutGil& operator=(const WaitingWithoutGil&) = delete;
   static bool any() { return count().load(std::memory_order_relaxed) > 0; }
+  /// A thread holding the GIL takes a future's `_condition`: a wait may follow.
+  static void preparing() { prepared().fetch_add(1, std::memory_order_relaxed); }
+  static uint64_t preparations() { return prepared().load(std::memory_order_relaxed); }
 
  private:
   static std::atomic<int>& count() {
     static std::atomic<int> waiting{0};
     return waiting;
+  }
+  static std::atomic<uint64_t>& prepared() {
+    static std::atomic<uint64_t> taken{0};
+    return taken;
   }
 };
 
