@@ -11,8 +11,10 @@ namespace {
 // of three waiter classes of concurrent.futures._base on every future they wait for.
 // Their add_* methods are a few lines of Python, yet about 1 µs per future on the
 // worker, more than the task itself. For exactly those classes the worker does what
-// the methods do without running them: append to finished_futures, and set the event
-// or count down under the waiter's lock, in the methods' order. Any other waiter (a
+// the methods do without running them, in their order: append to finished_futures,
+// then count down or set the event, under the waiter's lock as the methods take it
+// (the count-down leaves it out where no thread could tell, count_down_without_lock).
+// Any other waiter (a
 // subclass, another library's) has its method called; so do all of them when the
 // classes no longer have the shape read here (checked at import) or were changed since
 // (a patched method changes the class's version tag). tests/test_future.py compares
@@ -125,8 +127,9 @@ int count_down_without_lock(PyObject* waiter) {
     PyErr_Clear();  // a lock that cannot say: take it
     return 0;
   }
+  const bool free = held == Py_False;
   Py_DECREF(held);
-  if (held != Py_False) return 0;
+  if (!free) return 0;
   PyObject* n = PyObject_GetAttr(waiter, str_num_pending_calls);
   if (n == nullptr) return -1;
   const long value = PyLong_CheckExact(n) ? PyLong_AsLong(n) : 0;
@@ -193,7 +196,11 @@ bool tell_as_completed(PyObject* waiter, PyObject* future) {
 bool read_class(PyObject* base, const char* name, const char* make,
                 std::initializer_list<PyObject*> attrs, Known& known) {
   PyObject* type = PyObject_GetAttrString(base, name);
-  if (type == nullptr || !PyType_Check(type)) return false;
+  if (type == nullptr) return false;
+  if (!PyType_Check(type)) {
+    Py_DECREF(type);
+    return false;
+  }
   known.type = reinterpret_cast<PyTypeObject*>(type);  // kept for the process
   PyObject* waiter = PyRun_String(make, Py_eval_input, PyModule_GetDict(base), nullptr);
   if (waiter == nullptr) return false;
