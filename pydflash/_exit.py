@@ -2,9 +2,10 @@
 queued on its lanes has run.
 
 A hook that runs before non-daemon threads are joined (where concurrent.futures runs its
-own) closes every lane and waits for each to finish what it has. A lane whose task runs
-past PYDFLASH_EXIT_TIMEOUT without any task ending, or every lane at Ctrl-C during the
-wait, is left: its queued tasks are cancelled and stderr names the lane and the counts.
+own) closes every lane and waits for each to finish what it has. A lane on which no
+task has ended for PYDFLASH_EXIT_TIMEOUT seconds (a stuck task), or every lane at Ctrl-C
+during the wait, is left: its queued tasks are cancelled and stderr names the lane and
+the counts.
 """
 
 from __future__ import annotations
