@@ -345,6 +345,30 @@ def test_the_result_can_be_awaited_while_holding_the_condition(lane) -> None:
     eventually(lambda: settled(future), "the waiters were told after the condition was let go")
 
 
+def test_a_wait_lets_a_lane_waiting_for_the_gil_run_its_queue_first(lane) -> None:
+    # Note [Handing the GIL to a waiting worker]: the wait gives the lane the GIL when it
+    # takes its first condition, so it mostly finds the futures done and installs no
+    # waiter. Without that, the lane runs only once the wait blocks, after installing.
+    installed = []
+
+    def profile(frame, event, arg) -> None:
+        if event == "call" and frame.f_code is base._create_and_install_waiters.__code__:
+            installed.append(frame)
+
+    rounds, without_waiters = 20, 0
+    for _ in range(rounds):
+        futures = [lane.submit(int) for _ in range(64)]
+        installed.clear()
+        sys.setprofile(profile)
+        try:
+            done, not_done = cf.wait(futures)
+        finally:
+            sys.setprofile(None)
+        assert done == set(futures) and not not_done
+        without_waiters += not installed
+    assert without_waiters >= rounds // 2, f"{without_waiters} of {rounds} waits without waiters"
+
+
 # --- completions racing the wait --------------------------------------------------------------
 
 

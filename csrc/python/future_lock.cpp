@@ -7,6 +7,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <thread>
 
 #include "core/clock.h"
 #include "python/lane_runtime.h"
@@ -29,6 +30,29 @@ struct FutureLock {
 // one mutex and condition for every lock, for the threads that must block.
 std::mutex contended_mutex;
 std::condition_variable contended_cv;
+
+// Note [Handing the GIL to a waiting worker]: concurrent.futures.wait() and
+// as_completed() take every future's `_condition` before they block in a
+// threading.Event, and a worker that has tasks queued gets the GIL only then, after a
+// waiter has been installed on every future; each then costs a notification and a
+// removal. A thread taking its first FutureLock (it holds none) while a worker waits to
+// enter therefore lets the GIL go until that worker has it (briefly bounded), then asks
+// for it back. The worker runs its queue first and lets the GIL go once the queue is
+// empty, or earlier when CPython's switch interval says so, as with any call that lets
+// the GIL go; the wait then finds those futures done and returns without waiters.
+constexpr int64_t kHandOverNs = 20'000;
+thread_local int held_from_python = 0;  // FutureLocks this thread took from Python
+
+void hand_over_to_waiting_worker() {
+  if (held_from_python != 0 || !WaitingWithoutGil::workers_entering()) return;
+  Py_BEGIN_ALLOW_THREADS
+  {
+    WaitingWithoutGil waiting;  // the worker's poll ends at once
+    const int64_t until = now_ns() + kHandOverNs;
+    while (WaitingWithoutGil::workers_entering() && now_ns() < until) std::this_thread::yield();
+  }
+  Py_END_ALLOW_THREADS
+}
 
 PyTypeObject FutureLockType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
@@ -106,19 +130,24 @@ PyObject* acquire(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObj
     return nullptr;
   }
   WaitingWithoutGil::preparing();
+  hand_over_to_waiting_worker();
   const int got = lock_future_lock(self, block ? t : 0.0);
   if (got < 0) return nullptr;
+  held_from_python += got;
   return PyBool_FromLong(got);
 }
 
 PyObject* release(PyObject* self, PyObject*) {
   if (!unlock_future_lock(self)) return nullptr;
+  --held_from_python;
   Py_RETURN_NONE;
 }
 
 PyObject* enter_method(PyObject* self, PyObject*) {
   WaitingWithoutGil::preparing();
+  hand_over_to_waiting_worker();
   if (lock_future_lock(self, -1.0) < 0) return nullptr;
+  ++held_from_python;
   Py_RETURN_TRUE;
 }
 

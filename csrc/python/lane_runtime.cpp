@@ -415,6 +415,7 @@ void LaneRuntime::thread_started(Lane& lane) {
 
 void LaneRuntime::enter() {
   // Note [Entering when the GIL is free].
+  WaitingWithoutGil::worker_entering(1);
   auto activity = [&] { return lane_->submitted() + WaitingWithoutGil::preparations(); };
   const int64_t start = now_ns();
   int64_t last_active = start;
@@ -429,6 +430,7 @@ void LaneRuntime::enter() {
     std::this_thread::yield();
   }
   PyEval_RestoreThread(tstate_);
+  WaitingWithoutGil::worker_entering(-1);
 }
 
 void LaneRuntime::leave() { PyEval_SaveThread(); }

@@ -32,6 +32,10 @@ class WaitingWithoutGil {
   /// A thread holding the GIL takes a future's `_condition`: a wait may follow.
   static void preparing() { prepared().fetch_add(1, std::memory_order_relaxed); }
   static uint64_t preparations() { return prepared().load(std::memory_order_relaxed); }
+  /// Workers that want the GIL, polling or blocked on it, count themselves here until
+  /// they have it (Note [Handing the GIL to a waiting worker], python/future_lock.cpp).
+  static void worker_entering(int delta) { entering().fetch_add(delta, std::memory_order_relaxed); }
+  static bool workers_entering() { return entering().load(std::memory_order_relaxed) > 0; }
 
  private:
   static std::atomic<int>& count() {
@@ -41,6 +45,10 @@ class WaitingWithoutGil {
   static std::atomic<uint64_t>& prepared() {
     static std::atomic<uint64_t> taken{0};
     return taken;
+  }
+  static std::atomic<int>& entering() {
+    static std::atomic<int> workers{0};
+    return workers;
   }
 };
 
