@@ -369,6 +369,20 @@ def test_a_wait_lets_a_lane_waiting_for_the_gil_run_its_queue_first(lane) -> Non
     assert without_waiters >= rounds // 2, f"{without_waiters} of {rounds} waits without waiters"
 
 
+def test_a_wait_hands_the_gil_over_only_briefly(lane) -> None:
+    # The hand-over is bounded: a wait with a timeout over a future queued behind a long
+    # task that lets the GIL go returns on time.
+    gate = threading.Event()
+    lane.submit(gate.wait, 10)
+    queued = lane.submit(int)
+    try:
+        start = time.monotonic()
+        done, not_done = cf.wait([queued], timeout=0)
+        assert time.monotonic() - start < 1.0 and not_done == {queued}
+    finally:
+        gate.set()
+
+
 # --- completions racing the wait --------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "core/clock.h"
+#include "python/future_object.h"
 #include "python/lane_runtime.h"
 
 namespace py = pybind11;
@@ -24,6 +25,7 @@ struct FutureLock {
   std::atomic<unsigned long> owner;  // thread ident, 0 when free
   unsigned long count;               // how often the owner took it; the owner's only
   std::atomic<int> sleepers;         // threads blocked on it
+  PyObject* future;                  // whose `_condition` it is; cleared when that goes
 };
 
 // Contention is rare (a waiter installing itself while the worker tells the waiters):
@@ -36,22 +38,31 @@ std::condition_variable contended_cv;
 // threading.Event, and a worker that has tasks queued gets the GIL only then, after a
 // waiter has been installed on every future; each then costs a notification and a
 // removal. A thread taking its first FutureLock (it holds none) while a worker waits to
-// enter therefore lets the GIL go until that worker has it (briefly bounded), then asks
-// for it back. The worker runs its queue first and lets the GIL go once the queue is
-// empty, or earlier when CPython's switch interval says so, as with any call that lets
-// the GIL go; the wait then finds those futures done and returns without waiters.
+// enter, or while the lock's future has not started, therefore lets the GIL go until the
+// worker has it and the future has started (at most kHandOverNs), then asks for it
+// back. The worker runs its queue first and lets the GIL go once the queue is empty, or
+// earlier when CPython's switch interval says so, as with any call that lets the GIL go;
+// the wait then finds those futures done and returns without waiters.
 constexpr int64_t kHandOverNs = 20'000;
 thread_local int held_from_python = 0;  // FutureLocks this thread took from Python
 
-void hand_over_to_waiting_worker() {
-  if (held_from_python != 0 || !WaitingWithoutGil::workers_entering()) return;
+bool not_started(PyObject* future) {
+  return future != nullptr && as_future(future)->state().status() == FutureStatus::Pending;
+}
+
+void hand_over_to_waiting_worker(FutureLock* l) {
+  if (held_from_python != 0) return;
+  if (!WaitingWithoutGil::workers_entering() && !not_started(l->future)) return;
+  PyObject* future = Py_XNewRef(l->future);  // kept while the GIL is let go
   Py_BEGIN_ALLOW_THREADS
   {
     WaitingWithoutGil waiting;  // the worker's poll ends at once
     const int64_t until = now_ns() + kHandOverNs;
-    while (WaitingWithoutGil::workers_entering() && now_ns() < until) std::this_thread::yield();
+    while ((WaitingWithoutGil::workers_entering() || not_started(future)) && now_ns() < until)
+      std::this_thread::yield();
   }
   Py_END_ALLOW_THREADS
+  Py_XDECREF(future);
 }
 
 PyTypeObject FutureLockType = {PyVarObject_HEAD_INIT(nullptr, 0)};
@@ -130,7 +141,7 @@ PyObject* acquire(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObj
     return nullptr;
   }
   WaitingWithoutGil::preparing();
-  hand_over_to_waiting_worker();
+  hand_over_to_waiting_worker(lock_of(self));
   const int got = lock_future_lock(self, block ? t : 0.0);
   if (got < 0) return nullptr;
   held_from_python += got;
@@ -145,7 +156,7 @@ PyObject* release(PyObject* self, PyObject*) {
 
 PyObject* enter_method(PyObject* self, PyObject*) {
   WaitingWithoutGil::preparing();
-  hand_over_to_waiting_worker();
+  hand_over_to_waiting_worker(lock_of(self));
   if (lock_future_lock(self, -1.0) < 0) return nullptr;
   ++held_from_python;
   Py_RETURN_TRUE;
@@ -211,13 +222,16 @@ bool unlock_future_lock(PyObject* lock) {
   return true;
 }
 
-PyObject* new_future_lock() {
+void detach_future_lock(PyObject* lock) { lock_of(lock)->future = nullptr; }
+
+PyObject* new_future_lock(PyObject* future) {
   PyObject* obj = FutureLockType.tp_alloc(&FutureLockType, 0);
   if (obj == nullptr) return nullptr;
   FutureLock* l = lock_of(obj);
   new (&l->owner) std::atomic<unsigned long>(0);
   l->count = 0;
   new (&l->sleepers) std::atomic<int>(0);
+  l->future = future;
   return obj;
 }
 
