@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BUILD_TIMEOUT_S = 240
 RUN_TIMEOUT_S = 240
 
+# CMakePresets.json names the sanitizer builds.
+PRESETS = {"thread": "tsan", "address": "asan"}
 # Scales that keep each run well under a minute on a shared 2-core machine.
 CI_SCALE = {"thread": "0.1", "address": "0.25"}
 REPORT_MARKERS = {
@@ -29,38 +30,25 @@ RUNTIME_OPTIONS = {
 }
 
 
-def _configure_args(build_type: str) -> list[str]:
-    import pybind11
+def _require_build_tools() -> None:
+    for tool in ("cmake", "ninja"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not on PATH (a test requirement: pip install {tool})")
 
-    args = [
-        f"-DCMAKE_BUILD_TYPE={build_type}",
-        "-DPYDFLASH_NATIVE_TESTS=ON",
-        "-DPYDFLASH_CUDA=OFF",
-        f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
-        f"-DPython_EXECUTABLE={sys.executable}",
-    ]
-    ninja = shutil.which("ninja")
-    if ninja:
-        args += ["-GNinja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
-    return args
+
+def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+    )
 
 
 def build_native_tests(build_dir: Path, sanitizer: str) -> Path:
     """Configures and builds tests/native with `sanitizer`; returns the test binary."""
-    if shutil.which("cmake") is None:
-        pytest.skip("cmake is not on PATH (it is a build requirement: pip install cmake)")
-    configure = [
-        "cmake",
-        str(ROOT),
-        *_configure_args("RelWithDebInfo"),
-        f"-DPYDFLASH_SANITIZE={sanitizer}",
-    ]
-    jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or str(os.cpu_count() or 2)
-    build = ["cmake", "--build", ".", "--target", "pydflash_native_tests", "--parallel", jobs]
+    _require_build_tools()
+    configure = ["cmake", "--preset", PRESETS[sanitizer], "-B", str(build_dir)]
+    build = ["cmake", "--build", str(build_dir), "--target", "pydflash_native_tests"]
     for command in (configure, build):
-        done = subprocess.run(
-            command, cwd=build_dir, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
-        )
+        done = _run(command)
         assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
     return build_dir / "pydflash_native_tests"
 
@@ -90,14 +78,7 @@ def test_native_tests_clean_under_sanitizer(
 
 
 def test_sanitize_option_rejects_unknown_values(tmp_path: Path) -> None:
-    if shutil.which("cmake") is None:
-        pytest.skip("cmake is not on PATH (it is a build requirement: pip install cmake)")
-    done = subprocess.run(
-        ["cmake", str(ROOT), *_configure_args("Release"), "-DPYDFLASH_SANITIZE=memory"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=BUILD_TIMEOUT_S,
-    )
+    _require_build_tools()
+    done = _run(["cmake", "--preset", "tsan", "-B", str(tmp_path), "-DPYDFLASH_SANITIZE=memory"])
     assert done.returncode != 0
     assert "PYDFLASH_SANITIZE must be 'thread' or 'address', got 'memory'" in done.stderr
