@@ -295,12 +295,9 @@ def _replay(
     return _clone(outputs) if clone else outputs
 
 
-def _clone(obj: Any) -> Any:
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(_clone(item) for item in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_clone(item) for item in obj)
-    if isinstance(obj, dict):
-        return {key: _clone(value) for key, value in obj.items()}
-    clone = getattr(obj, "clone", None)
-    return clone() if callable(clone) else obj
+def _clone(outputs: Any) -> Any:
+    import torch
+
+    from .handoff import map_tensors
+
+    return map_tensors(torch.Tensor.clone, outputs)

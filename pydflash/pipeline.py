@@ -10,7 +10,7 @@ Note [Pipeline order]: microbatch k of step s runs its target on target lane
 k % len(target_lanes) and trains replica r = (k % accumulate) % len(drafter_lanes) on
 drafter lane r. A drafter task waits on the host for its target future (whose Python
 returns once the target's kernels are queued), hands the result over (Note
-[Hidden-state handoff]), runs `loss(drafter, inputs)` and the backward of
+[Hidden-state handoff] in handoff.py), runs `loss(drafter, inputs)` and the backward of
 `loss / accumulate`. After a step's last microbatch every drafter lane gets a step task
 (with several replicas, lane 0 first sums the replicas' gradients). A lane runs its
 tasks in order, so a replica's microbatches, the reduction and the optimizer step never
@@ -20,16 +20,6 @@ that bounds the hidden states alive, and lets the target run ahead of the drafte
 up to depth - 1 microbatches. On GPU lanes "completion" means the drafter's kernels have
 run, not just been queued: the caching allocator hands out memory when work is queued,
 so a host running ahead of the GPU would hold more than `depth` microbatches.
-
-Note [Hidden-state handoff]: no host sync on GPU lanes. On one GPU the drafter's stream
-waits on the target future's event and the tensors are used in place (record_stream, see
-Note [Tensors across streams] in handoff.py). Across GPUs torch issues a device-to-device
-copy on the *source* device's current stream, with event barriers to the destination's
-current stream (aten/src/ATen/native/cuda/Copy.cu). So the copy is made with the target
-lane's copy stream current on the source device (made to wait on the target's event) and
-the drafter lane's copy stream current on the destination; the drafter's compute stream
-then waits on an event recorded on its copy stream. torch uses a peer copy when
-`can_device_access_peer` allows, and stages through the host otherwise.
 
 Determinism: with one drafter replica the drafter sees the same operations in the same
 order as a plain loop, so CPU losses match it exactly. Stages must not draw from torch's
@@ -50,9 +40,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from ._future import Future
-from ._native import C
 from .errors import PipelineError
-from .handoff import hand_over, iter_tensors
+from .handoff import hand_to_lane, map_tensors, tensors
 from .lane import Lane
 
 STAGES = ("data", "target", "transfer", "drafter", "reduce", "optimizer")
@@ -133,7 +122,7 @@ def _run_target(fn: Callable[[Any], Any], lane: Lane, batch: Any, threads: int) 
 def _clone_replay(replay: Future) -> Any:
     outputs = replay.result()
     with torch.no_grad():
-        return _tree_map(lambda t: t.clone(), outputs)
+        return map_tensors(torch.Tensor.clone, outputs)
 
 
 # --- results ------------------------------------------------------------------------------
@@ -376,7 +365,10 @@ class Pipeline:
             self._release_slot()
             self._fail(_stage_error("target", k, t_lane, exc))
             self._raise_failure()
-        self._track(target, "target", k, t_lane, on_result=lambda f: self._hold(k, _nbytes(f._result)))
+        self._track(
+            target, "target", k, t_lane,
+            on_result=lambda f: self._hold(k, sum(t.nbytes for t in tensors(f._result))),
+        )
         try:
             drafter = d_lane.submit(
                 self._drafter_task, k, replica, target, self._targets[t_index], t_lane, sync
@@ -429,7 +421,7 @@ class Pipeline:
         # A recycled result goes back to its stage once the drafter's GPU work is done.
         recycled = produced if stage.recycles and lane.is_gpu else None
         try:
-            inputs, moved_bytes = _handoff(produced, t_lane, target.event, lane)
+            inputs, moved_bytes = hand_to_lane(produced, t_lane, target.event, lane)
         except BaseException as exc:
             raise _stage_error("transfer", k, lane, exc) from exc
         finally:
@@ -467,7 +459,7 @@ class Pipeline:
             total = [None if p.grad is None else p.grad.clone() for p in self._params[0]]
             for r in range(1, n_drafters):
                 lane, last = self._drafter_lanes[r], microbatches[r - n_drafters]
-                grads, _ = _handoff([p.grad for p in self._params[r]], lane, last.event, lane0)
+                grads, _ = hand_to_lane([p.grad for p in self._params[r]], lane, last.event, lane0)
                 for i, grad in enumerate(grads):
                     if grad is None:
                         continue
@@ -492,7 +484,7 @@ class Pipeline:
         if reduced is not None:
             total = _input_of(reduced)
             try:
-                grads, copied = _handoff(total, self._drafter_lanes[0], reduced.event, lane)
+                grads, copied = hand_to_lane(total, self._drafter_lanes[0], reduced.event, lane)
             except BaseException as exc:
                 raise _stage_error("reduce", None, lane, exc, step=step) from exc
             # The sum is shared by every replica: each takes its own copy.
@@ -660,39 +652,6 @@ class Pipeline:
 
 
 # --- helpers ------------------------------------------------------------------------------
-def _handoff(value: Any, src: Lane, event: int, dst: Lane) -> tuple[Any, int]:
-    """`value` made usable on `dst`'s compute stream (the calling lane's), and the bytes of
-    any copy made. See Note [Hidden-state handoff]."""
-    if not src.is_gpu and not dst.is_gpu:
-        return value, 0
-    if src.is_gpu and dst.is_gpu and src.device_index == dst.device_index:
-        hand_over(value, event, torch.cuda.current_stream())
-        return value, 0
-    device = torch.device(dst.device)
-    with contextlib.ExitStack() as streams:
-        if src.is_gpu:
-            src_stream = src.copy_stream
-            C.stream_wait_event(src_stream.cuda_stream, event)
-            streams.enter_context(torch.cuda.stream(src_stream))
-        if dst.is_gpu:
-            dst_stream = dst.copy_stream
-            streams.enter_context(torch.cuda.stream(dst_stream))
-        # Into host memory the copy must be complete before the CPU reads it.
-        moved = _tree_map(lambda t: t.to(device, non_blocking=dst.is_gpu), value)
-        if src.is_gpu:
-            for tensor in iter_tensors(value):
-                tensor.record_stream(src_stream)
-        if dst.is_gpu:
-            copied = torch.cuda.Event()
-            copied.record(dst_stream)
-    if dst.is_gpu:
-        compute = torch.cuda.current_stream()
-        compute.wait_event(copied)
-        for tensor in iter_tensors(moved):
-            tensor.record_stream(compute)
-    return moved, _nbytes(moved)
-
-
 def _input_of(future: Future) -> Any:
     """The result of an earlier stage's future; _Upstream when it failed or was cancelled."""
     try:
@@ -705,33 +664,7 @@ def to_lane(batch: Any, lane: Lane) -> Any:
     if not lane.is_gpu:
         return batch
     device = torch.device(lane.device)
-    return _tree_map(lambda t: t.to(device, non_blocking=True), batch)
-
-
-def _tree_map(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_tree_map(fn, item) for item in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_tree_map(fn, item) for item in obj)
-    if isinstance(obj, dict):
-        return {key: _tree_map(fn, item) for key, item in obj.items()}
-    return obj
-
-
-def _nbytes(obj: Any) -> int:
-    total = 0
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            total += item.nbytes
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-    return total
+    return map_tensors(lambda t: t.to(device, non_blocking=True), batch)
 
 
 def match_intra_op_threads(threads: int) -> None:

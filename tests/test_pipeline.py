@@ -372,7 +372,7 @@ def test_a_failing_stage_raises_pipeline_error_naming_it(lanes, stage, at, lane,
 
 @pytest.mark.timeout(60)
 def test_a_failing_transfer_names_the_drafter_lane(lanes, monkeypatch):
-    real = pipeline_module._handoff
+    real = pipeline_module.hand_to_lane
     calls = []
 
     def handoff(value, src, event, dst):
@@ -381,7 +381,7 @@ def test_a_failing_transfer_names_the_drafter_lane(lanes, monkeypatch):
             raise Boom("copy")
         return real(value, src, event, dst)
 
-    monkeypatch.setattr(pipeline_module, "_handoff", handoff)
+    monkeypatch.setattr(pipeline_module, "hand_to_lane", handoff)
     error, _, _ = run_failing(lanes, "none", -1)
     assert (error.stage, error.microbatch, error.lane) == ("transfer", 2, "lane 1 (cpu)")
     assert isinstance(error.__cause__, Boom)
@@ -389,14 +389,14 @@ def test_a_failing_transfer_names_the_drafter_lane(lanes, monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_a_failing_reduction_stops_every_replica(lanes, monkeypatch):
-    real = pipeline_module._handoff
+    real = pipeline_module.hand_to_lane
 
     def handoff(value, src, event, dst):
         if isinstance(value, list):  # the replicas' gradients
             raise Boom("reduce")
         return real(value, src, event, dst)
 
-    monkeypatch.setattr(pipeline_module, "_handoff", handoff)
+    monkeypatch.setattr(pipeline_module, "hand_to_lane", handoff)
     error, _, pipe = run_failing(lanes, "none", -1, n_drafters=2)
     assert (error.stage, error.microbatch, error.lane) == ("reduce", None, "lane 1 (cpu)")
     assert "of step 0" in str(error)
