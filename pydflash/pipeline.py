@@ -159,6 +159,58 @@ class _Upstream(Exception):
     """A task's input failed or was cancelled; the failure is reported by its own stage."""
 
 
+class _HiddenBytes:
+    """The bytes of hidden states a pipeline holds: each microbatch's target result from
+    when it is produced, plus its copy on another device, until the microbatch leaves.
+
+    Invariant: `held` is the sum of the microbatches' entries, `peak` the most `held`
+    has been, and `per_microbatch` the most one entry has been. A microbatch that left
+    before its target finished is closed: its target's bytes, should they arrive, are
+    not counted, as no drafter takes them. Not locked: the pipeline calls it under its
+    own condition."""
+
+    def __init__(self) -> None:
+        self._by_microbatch: dict[int, int] = {}
+        self._closed: set[int] = set()
+        self._held = 0
+        self._peak = 0
+        self._per_microbatch = 0
+
+    def hold(self, k: int, nbytes: int) -> None:
+        """Counts `nbytes` more for microbatch k, unless it is closed."""
+        if nbytes == 0 or k in self._closed:
+            return
+        held = self._by_microbatch.get(k, 0) + nbytes
+        self._by_microbatch[k] = held
+        self._per_microbatch = max(self._per_microbatch, held)
+        self._held += nbytes
+        self._peak = max(self._peak, self._held)
+
+    def release(self, k: int, *, target_may_follow: bool) -> None:
+        """Microbatch k left; with target_may_follow (its drafter did not take the
+        target's result), it is closed."""
+        if target_may_follow:
+            self._closed.add(k)
+        self._held -= self._by_microbatch.pop(k, 0)
+
+    def release_all(self) -> None:
+        """Every microbatch left (the pipeline stopped); all are closed."""
+        for k in list(self._by_microbatch):
+            self.release(k, target_may_follow=True)
+
+    def new_run(self) -> None:
+        """A run starts: microbatch indices after a stop repeat earlier ones, so none is
+        closed any more."""
+        self._closed.clear()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "hidden_bytes_held": self._held,
+            "hidden_bytes_peak": self._peak,
+            "hidden_bytes_per_microbatch": self._per_microbatch,
+        }
+
+
 # --- the pipeline -------------------------------------------------------------------------
 class Pipeline:
     """Target forward on `target_lanes`, drafter forward and backward on `drafter_lanes`,
@@ -199,14 +251,22 @@ class Pipeline:
         n_targets, n_drafters = len(self._target_lanes), len(self._drafter_lanes)
         self._targets = [
             t if isinstance(t, TargetStage) else EagerTarget(t)
-            for t in _per_lane(target, n_targets, "target", _is_target)
+            for t in _per_lane(target, n_targets, "target", "a callable or TargetStage", _is_target)
         ]
         for stage, lane in zip(self._targets, self._target_lanes):
             stage.check_lane(lane)
-        self._drafters = _per_lane(drafter, n_drafters, "drafter", _is_module)
-        self._optimizers = _per_lane(optimizer, n_drafters, "optimizer", _is_optimizer)
+
+        def per_drafter(value: Any, name: str, kind: str, accepts: Callable[[Any], bool]) -> list:
+            return _per_lane(value, n_drafters, name, kind, accepts, one_each="drafter lane")
+
+        self._drafters = per_drafter(drafter, "drafter", "a torch.nn.Module", _is_module)
+        self._optimizers = per_drafter(
+            optimizer, "optimizer", "a torch.optim.Optimizer", _is_optimizer
+        )
         self._schedulers = (
-            None if scheduler is None else _per_lane(scheduler, n_drafters, "scheduler", _has_step)
+            None
+            if scheduler is None
+            else per_drafter(scheduler, "scheduler", "an object with step()", _has_step)
         )
         if not callable(loss):
             raise TypeError(f"expected a callable loss(drafter, inputs), got {type(loss).__name__}")
@@ -241,11 +301,7 @@ class Pipeline:
         self._run_start = 0  # first microbatch of the current run
         self._settled: set[int] = set()  # microbatches whose drafter task has ended
         self._gpu_done: dict[int, Any] = {}  # microbatch -> event after its drafter's kernels
-        self._held_by: dict[int, int] = {}
-        self._closed: set[int] = set()  # released before their target finished
-        self._held = 0
-        self._peak = 0
-        self._per_microbatch = 0
+        self._hidden = _HiddenBytes()
         self._microbatches = 0  # trained (forward and backward done)
         self._cancelled = 0  # tasks cancelled by a failure or an early exit
         self._steps = 0  # applied on every replica
@@ -300,7 +356,7 @@ class Pipeline:
             if self._active:
                 raise PipelineError("this pipeline is already running")
             self._active = True
-            self._closed.clear()
+            self._hidden.new_run()
             self._settled.clear()
             self._gpu_done.clear()
             self._run_start = self._next_microbatch
@@ -542,7 +598,7 @@ class Pipeline:
                     trained = failure is None and not cancelled
                     # A drafter that trained took its target's result, so the target's
                     # bytes were counted already; otherwise they may still arrive.
-                    self._release_locked(k, target_may_follow=not trained)
+                    self._hidden.release(k, target_may_follow=not trained)
                     self._microbatches += trained
                 self._cond.notify_all()
 
@@ -565,23 +621,8 @@ class Pipeline:
         return record
 
     def _hold(self, k: int, nbytes: int) -> None:
-        if nbytes == 0:
-            return
         with self._cond:
-            if k in self._closed:
-                return
-            held = self._held_by.get(k, 0) + nbytes
-            self._held_by[k] = held
-            self._per_microbatch = max(self._per_microbatch, held)
-            self._held += nbytes
-            self._peak = max(self._peak, self._held)
-
-    def _release_locked(self, k: int | None, target_may_follow: bool) -> None:
-        if k is None:
-            return
-        if target_may_follow:
-            self._closed.add(k)
-        self._held -= self._held_by.pop(k, 0)
+            self._hidden.hold(k, nbytes)
 
     def _release_slot(self) -> None:
         with self._cond:
@@ -620,8 +661,7 @@ class Pipeline:
             self._in_flight = 0
             self._next_step = self._steps
             self._next_microbatch = self._steps * self.accumulate
-            for k in list(self._held_by):
-                self._release_locked(k, target_may_follow=True)
+            self._hidden.release_all()
 
     # --- introspection ------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -635,9 +675,7 @@ class Pipeline:
                 "depth": self.depth,
                 "accumulate": self.accumulate,
                 "in_flight": self._in_flight,
-                "hidden_bytes_held": self._held,
-                "hidden_bytes_peak": self._peak,
-                "hidden_bytes_per_microbatch": self._per_microbatch,
+                **self._hidden.stats(),
                 "target_lanes": [lane.label for lane in self._target_lanes],
                 "drafter_lanes": [lane.label for lane in self._drafter_lanes],
                 "peer_copy": _peer_pairs(self._target_lanes, self._drafter_lanes),
@@ -723,22 +761,30 @@ def _lanes(lanes: Any, name: str) -> list[Lane]:
     return lanes
 
 
-def _per_lane(value: Any, count: int, name: str, accepts: Callable[[Any], bool]) -> list[Any]:
-    """One value per lane: a single value shared by all, or a sequence of `count`."""
+def _per_lane(
+    value: Any,
+    count: int,
+    name: str,
+    kind: str,
+    accepts: Callable[[Any], bool],
+    *,
+    one_each: str | None = None,
+) -> list[Any]:
+    """One value per lane: a sequence of `count` values, or a single value shared by all
+    lanes. `one_each` names lanes that each need their own: one value is then refused
+    for several lanes. `kind` says in errors what `accepts` takes."""
     if accepts(value):
-        if count > 1 and name in ("drafter", "optimizer", "scheduler"):
-            raise ValueError(f"expected one {name} per drafter lane ({count}), got one {name}")
+        if count > 1 and one_each is not None:
+            raise ValueError(f"expected one {name} per {one_each} ({count}), got one {name}")
         return [value] * count
     if isinstance(value, (list, tuple)):
         if len(value) != count:
             raise ValueError(f"expected {count} {name}s (one per lane), got {len(value)}")
         for item in value:
             if not accepts(item):
-                raise TypeError(f"expected each {name} to be {_KINDS[name]}, got {type(item).__name__}")
+                raise TypeError(f"expected each {name} to be {kind}, got {type(item).__name__}")
         return list(value)
-    raise TypeError(
-        f"expected {name} to be {_KINDS[name]} or a list of them, got {type(value).__name__}"
-    )
+    raise TypeError(f"expected {name} to be {kind} or a list of them, got {type(value).__name__}")
 
 
 def _is_target(value: Any) -> bool:
@@ -755,14 +801,6 @@ def _is_optimizer(value: Any) -> bool:
 
 def _has_step(value: Any) -> bool:
     return callable(getattr(value, "step", None))
-
-
-_KINDS = {
-    "target": "a callable or TargetStage",
-    "drafter": "a torch.nn.Module",
-    "optimizer": "a torch.optim.Optimizer",
-    "scheduler": "an object with step()",
-}
 
 
 def _positive_int(value: Any, name: str) -> int:
