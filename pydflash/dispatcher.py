@@ -194,7 +194,7 @@ def _shutdown_at_exit() -> None:
     for lane in lanes:
         if not lane._native.join(EXIT_TIMEOUT_S):
             warnings.warn(
-                f"pydflash {lane._native.label} still running a task at exit; leaving it",
+                f"pydflash {lane.label} still running a task at exit; leaving it",
                 RuntimeWarning,
                 stacklevel=1,
             )

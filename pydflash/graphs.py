@@ -122,14 +122,13 @@ class CapturedGraph(GraphWrapper):
                                    self.static_outputs, clone)
             copied = lane.submit(_copy_in, self.static_inputs, inputs, ready) if inputs else None
             launched = lane.submit_graph(self)
-            # Not yet seen by anyone: the launch's result is the static outputs.
-            launched._result = self.static_outputs
+            launched.replace_result(self.static_outputs)
             if copied is not None:
-                # Runs on the worker before the launch completes (the lane is FIFO).
+                # Runs before the launch completes (the lane is FIFO), or at once here.
                 copied.add_done_callback(partial(_forward_failure, launched))
             if not clone:
                 return launched
-            return lane.submit(_clone_after, launched, self.static_outputs)
+            return lane.submit(_clone_after, copied, launched, self.static_outputs)
 
     def _check_inputs(self, inputs: tuple[Any, ...]) -> None:
         if inputs and len(inputs) != len(self._specs):
@@ -267,17 +266,19 @@ def _copy_in(static_inputs: tuple[Any, ...], inputs: tuple[Any, ...], ready: lis
             source.record_stream(torch.cuda.current_stream())
 
 
+def _failure_of(future: Future) -> BaseException | None:
+    return None if future.cancelled() else future.exception()
+
+
 def _forward_failure(launched: Future, copied: Future) -> None:
-    # On the worker this runs before `copied` is published (Note [Finish, then publish]
-    # in csrc/core/future.h), where its exception() would wait for itself: read the
-    # outcome directly.
-    failure = None if copied.cancelled() else copied._failure()
+    failure = _failure_of(copied)
     if failure is not None:
-        launched._exception = failure
+        launched.forward_failure(failure)
 
 
-def _clone_after(launched: Future, outputs: Any) -> Any:
-    failure = launched._exception
+def _clone_after(copied: Future | None, launched: Future, outputs: Any) -> Any:
+    # The copy-in ran before this task (the lane is FIFO); the launch may still be on the GPU.
+    failure = None if copied is None else _failure_of(copied)
     if failure is None and launched.done():
         failure = launched.exception()
     if failure is not None:

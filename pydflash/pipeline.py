@@ -423,7 +423,7 @@ class Pipeline:
             self._raise_failure()
         self._track(
             target, "target", k, t_lane,
-            on_result=lambda f: self._hold(k, sum(t.nbytes for t in tensors(f._result))),
+            on_result=lambda f: self._hold(k, sum(t.nbytes for t in tensors(f.result()))),
         )
         try:
             drafter = d_lane.submit(
@@ -481,7 +481,7 @@ class Pipeline:
         except BaseException as exc:
             raise _stage_error("transfer", k, lane, exc) from exc
         finally:
-            target._result = None  # the drafter holds what it needs; see depth
+            target.replace_result(None)  # the drafter holds what it needs; see depth
             del produced
         self._hold(k, moved_bytes)
         model = self._drafters[replica]
@@ -579,10 +579,8 @@ class Pipeline:
             self._submitted += 1
 
         def done(f: Future) -> None:
-            # Callbacks run on the worker before the future is published, where result()
-            # and exception() would wait for themselves: read the outcome directly.
             cancelled = f.cancelled()
-            failure = None if cancelled else f._failure()
+            failure = None if cancelled else f.exception()
             if failure is None and not cancelled and on_result is not None:
                 on_result(f)
             with self._cond:
@@ -606,7 +604,7 @@ class Pipeline:
 
     def _watch_step(self, future: Future, record: StepResult) -> None:
         def done(f: Future) -> None:
-            ok = not f.cancelled() and f._failure() is None
+            ok = not f.cancelled() and f.exception() is None
             with self._cond:
                 record._failed |= not ok
                 record._pending -= 1
