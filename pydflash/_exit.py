@@ -63,7 +63,7 @@ class _Progress:
         running = self.lane._native.load()  # what is left once the queue is cancelled
         if running or cancelled:
             _say(
-                f"exit stopped waiting for {self.lane._native.label} ({why}): "
+                f"exit stopped waiting for {self.lane.label} ({why}): "
                 f"{_tasks(running)} left running, {_tasks(cancelled, 'queued')} cancelled"
             )
 
@@ -87,7 +87,7 @@ def _say_waiting(lanes: list[Lane]) -> None:
     stats = [lane._native.stats() for lane in lanes]
     running = sum(s["running"] + s["on_device"] for s in stats)
     queued = sum(s["queued"] for s in stats)
-    labels = ", ".join(lane._native.label for lane in lanes)
+    labels = ", ".join(lane.label for lane in lanes)
     _say(
         f"exit waits for {labels} to finish {running} running and {_tasks(queued, 'queued')}; "
         f"press Ctrl-C again to stop waiting (a task running longer than "

@@ -84,6 +84,21 @@ class Future(C.FutureBase, concurrent.futures.Future):
     def set_exception(self, exception: BaseException | None) -> None:
         raise RuntimeError("pydflash futures are completed by their lane")
 
+    # --- for the code that submitted the task ------------------------------------------
+    def replace_result(self, value: Any) -> None:
+        """Replaces what result() returns: a graph launch (Lane.submit_graph), whose task
+        has no value of its own, gets the graph's static outputs (pydflash.graphs); a
+        consumer that has taken the result drops it (None) so that the future no longer
+        keeps it alive (pydflash.pipeline). A failure of the task still wins."""
+        self._result = value
+
+    def forward_failure(self, failure: BaseException) -> None:
+        """Makes this future fail with `failure`, the failure of work its task depends on,
+        whatever the task itself does: a graph launch fails with the error of its copy-in
+        (pydflash.graphs). Call it before the task finishes or before handing the future
+        out; result(), exception() and concurrent.futures.wait then report `failure`."""
+        self._exception = failure
+
     # --- CUDA ---------------------------------------------------------------------------
     def wait_stream(self, stream: Any = None) -> Any:
         """Makes `stream` (default: the current stream of the device each result tensor is

@@ -1,10 +1,11 @@
 """CUDA graphs on lanes: captured work launched by the native worker without the GIL.
 
 `lane.submit_graph(graph)` launches a torch.cuda.CUDAGraph (or a CapturedGraph) with
-`cudaGraphLaunch` on the lane stream from the native worker; its future completes when
-the GPU has run the graph. `capture(fn, example_inputs, lane)` records an inference
-forward (a frozen target model) on a lane, with static input and output buffers, and
-`CapturedGraph.run(*inputs)` replays it per microbatch.
+`cudaGraphLaunch` on the lane stream from the native worker (the executable's handle
+comes from pydflash/graph_exec.py); its future completes when the GPU has run the
+graph. `capture(fn, example_inputs, lane)` records an inference forward (a frozen target
+model) on a lane, with static input and output buffers, and `CapturedGraph.run(*inputs)`
+replays it per microbatch.
 
 Note [Native graph launch]: the worker launches `raw_cuda_graph_exec()` directly, so
 torch's `replay()` does not run. For inference graphs that changes nothing; a graph with
@@ -23,6 +24,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .errors import GraphCaptureError
+from .graph_exec import GraphWrapper, check_lane, native_launch_supported, remember_device, unwrap
 
 if TYPE_CHECKING:
     from ._future import Future
@@ -30,81 +32,16 @@ if TYPE_CHECKING:
 
 DEFAULT_WARMUP = 3
 
-# The device each torch graph pydflash captured belongs to. A torch.cuda.CUDAGraph does
-# not say which device it was captured on, so one captured elsewhere is not checked.
-_graph_devices: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 # Each lane's worker thread, once known, to refuse a capture that would wait for itself.
 _worker_threads: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-
-
-def _torch_graph_type() -> type:
-    import torch
-
-    return torch.cuda.CUDAGraph
-
-
-def native_launch_supported(graph: Any) -> bool:
-    """Whether `graph` (a torch.cuda.CUDAGraph) exposes the cudaGraphExec_t that the
-    native worker launches; False on a torch without `raw_cuda_graph_exec()`."""
-    return callable(getattr(graph, "raw_cuda_graph_exec", None))
-
-
-def _unwrap(graph: Any) -> tuple[Any, int | None]:
-    """(torch graph, device or None when unknown) of a CapturedGraph or torch graph."""
-    if isinstance(graph, CapturedGraph):
-        return graph.graph, graph.device_index
-    if isinstance(graph, _torch_graph_type()):
-        return graph, _graph_devices.get(graph)
-    raise TypeError(
-        f"expected a torch.cuda.CUDAGraph or a pydflash.graphs.CapturedGraph, "
-        f"got {type(graph).__name__}"
-    )
-
-
-def _check_lane(lane: Any, device: int | None) -> None:
-    if not lane.is_gpu:
-        raise ValueError(f"expected a GPU lane for a CUDA graph, got {lane!r}, a CPU lane")
-    if device is not None and device != lane.device_index:
-        raise ValueError(
-            f"expected a lane on cuda:{device}, where the graph was captured, "
-            f"got {lane!r} on {lane.device}"
-        )
-
-
-def graph_exec_handle(graph: Any, lane: Lane) -> tuple[int, Any]:
-    """(cudaGraphExec_t as an int, the object to keep alive until the GPU has run it),
-    for `lane.submit_graph`. Raises TypeError for anything but a torch.cuda.CUDAGraph
-    or CapturedGraph, ValueError for a CPU lane or a graph of another device, and
-    GraphCaptureError when the graph has no executable or torch has no raw handle
-    (`submit` then falls back to `replay()`). See Note [Native graph launch]."""
-    torch_graph, device = _unwrap(graph)
-    _check_lane(lane, device)
-    if not native_launch_supported(torch_graph):
-        import torch
-
-        raise GraphCaptureError(
-            f"torch {torch.__version__} has no CUDAGraph.raw_cuda_graph_exec(), so the "
-            "graph cannot be launched natively; pydflash.graphs.submit(lane, graph) "
-            "replays it with graph.replay() instead"
-        )
-    try:
-        handle = int(torch_graph.raw_cuda_graph_exec())
-    except RuntimeError as exc:
-        raise GraphCaptureError(
-            f"expected a captured and instantiated CUDA graph, got one without an "
-            f"executable ({exc})"
-        ) from exc
-    if handle == 0:
-        raise GraphCaptureError("expected a captured CUDA graph, got a null executable")
-    return handle, graph
 
 
 def submit(lane: Lane, graph: Any) -> Future:
     """Launches `graph` on `lane`: natively without the GIL when torch exposes the raw
     executable, else `graph.replay()` as an ordinary task (whose future completes when
     the launch returns rather than when the GPU is done; `wait_stream` works for both)."""
-    torch_graph, device = _unwrap(graph)
-    _check_lane(lane, device)
+    torch_graph, device = unwrap(graph)
+    check_lane(lane, device)
     if native_launch_supported(torch_graph):
         return lane.submit_graph(graph)
     return lane.submit(torch_graph.replay)
@@ -134,7 +71,7 @@ class TensorSpec:
             )
 
 
-class CapturedGraph:
+class CapturedGraph(GraphWrapper):
     """An inference forward captured on one lane, replayed per microbatch.
 
     Made by `capture`. `static_inputs` are the buffers the graph reads and
@@ -155,7 +92,7 @@ class CapturedGraph:
         # Keeps one run's copy-in, launch and clone adjacent in the lane queue.
         self._order = threading.Lock()
         if lane.device_index is not None:
-            _graph_devices[graph] = lane.device_index
+            remember_device(graph, lane.device_index)
 
     @property
     def lane(self) -> Lane:
@@ -185,14 +122,13 @@ class CapturedGraph:
                                    self.static_outputs, clone)
             copied = lane.submit(_copy_in, self.static_inputs, inputs, ready) if inputs else None
             launched = lane.submit_graph(self)
-            # Not yet seen by anyone: the launch's result is the static outputs.
-            launched._result = self.static_outputs
+            launched.replace_result(self.static_outputs)
             if copied is not None:
-                # Runs on the worker before the launch completes (the lane is FIFO).
+                # Runs before the launch completes (the lane is FIFO), or at once here.
                 copied.add_done_callback(partial(_forward_failure, launched))
             if not clone:
                 return launched
-            return lane.submit(_clone_after, launched, self.static_outputs)
+            return lane.submit(_clone_after, copied, launched, self.static_outputs)
 
     def _check_inputs(self, inputs: tuple[Any, ...]) -> None:
         if inputs and len(inputs) != len(self._specs):
@@ -330,17 +266,19 @@ def _copy_in(static_inputs: tuple[Any, ...], inputs: tuple[Any, ...], ready: lis
             source.record_stream(torch.cuda.current_stream())
 
 
+def _failure_of(future: Future) -> BaseException | None:
+    return None if future.cancelled() else future.exception()
+
+
 def _forward_failure(launched: Future, copied: Future) -> None:
-    # On the worker this runs before `copied` is published (Note [Finish, then publish]
-    # in csrc/core/future.h), where its exception() would wait for itself: read the
-    # outcome directly.
-    failure = None if copied.cancelled() else copied._failure()
+    failure = _failure_of(copied)
     if failure is not None:
-        launched._exception = failure
+        launched.forward_failure(failure)
 
 
-def _clone_after(launched: Future, outputs: Any) -> Any:
-    failure = launched._exception
+def _clone_after(copied: Future | None, launched: Future, outputs: Any) -> Any:
+    # The copy-in ran before this task (the lane is FIFO); the launch may still be on the GPU.
+    failure = None if copied is None else _failure_of(copied)
     if failure is None and launched.done():
         failure = launched.exception()
     if failure is not None:
@@ -358,12 +296,9 @@ def _replay(
     return _clone(outputs) if clone else outputs
 
 
-def _clone(obj: Any) -> Any:
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(_clone(item) for item in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_clone(item) for item in obj)
-    if isinstance(obj, dict):
-        return {key: _clone(value) for key, value in obj.items()}
-    clone = getattr(obj, "clone", None)
-    return clone() if callable(clone) else obj
+def _clone(outputs: Any) -> Any:
+    import torch
+
+    from .handoff import map_tensors
+
+    return map_tensors(torch.Tensor.clone, outputs)

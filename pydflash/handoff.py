@@ -1,4 +1,9 @@
-"""Handing GPU results from one stream to another without a host sync.
+"""Handing results from one lane to another, and from one stream to another, without a
+host sync; and the walk over the tensors of a result.
+
+A result is a tree: tensors inside nested tuples, lists, dicts, namedtuples and any other
+container `torch.utils._pytree` knows (transformers registers its ModelOutput). Other
+containers, and other objects, are leaves, passed through as they are.
 
 Note [Tensors across streams]: the caching allocator ties a block to the stream it
 was allocated on; once the producer's references die it may hand the block to a new
@@ -6,43 +11,88 @@ allocation on that stream while a consumer stream still reads it. `hand_over` ma
 the consumer stream wait on the producer's event and calls `record_stream(consumer)`
 on every CUDA tensor in the result, which delays the block's reuse until the
 consumer's work queued so far is done.
+
+Note [Hidden-state handoff]: `hand_to_lane` makes no host sync on GPU lanes. On one GPU
+the consuming lane's stream waits on the producer's event and the tensors are used in
+place (Note [Tensors across streams]). Across GPUs torch issues a device-to-device copy
+on the *source* device's current stream, with event barriers to the destination's
+current stream (aten/src/ATen/native/cuda/Copy.cu). So the copy is made with the
+producing lane's copy stream current on the source device (made to wait on the
+producer's event) and the consuming lane's copy stream current on the destination; the
+consumer's compute stream then waits on an event recorded on its copy stream. torch
+uses a peer copy when `can_device_access_peer` allows, and stages through the host
+otherwise.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import contextlib
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
 
 from ._native import C
 
 
-def iter_tensors(obj: Any) -> Iterator[Any]:
-    """CUDA tensors inside nested tuples, lists, dicts and dataclass-like objects."""
-    import torch
+def tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors in `tree`, in pytree's leaf order."""
+    return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
 
-    if isinstance(obj, torch.Tensor):
-        if obj.is_cuda:
-            yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from iter_tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from iter_tensors(item)
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """`tree` with fn(t) in place of each tensor t; containers are rebuilt with their own
+    types, other leaves kept."""
+    return pytree.tree_map_only(torch.Tensor, fn, tree)
 
 
 def hand_over(result: Any, event: int, stream: Any = None) -> None:
     """Orders `stream` after `event`, a cudaEvent_t as an int, and protects the result's
     tensors for use on it. Default: the current stream of each tensor's own device,
     which is where torch issues reads of it, cross-device copies included."""
-    import torch
-
-    tensors = list(iter_tensors(result))
+    cuda = [t for t in tensors(result) if t.is_cuda]
     if stream is not None:
         streams = {stream.device_index: stream}
     else:
-        streams = {t.device.index: None for t in tensors} or {torch.cuda.current_device(): None}
+        streams = {t.device.index: None for t in cuda} or {torch.cuda.current_device(): None}
         streams = {d: torch.cuda.current_stream(d) for d in streams}
     for s in streams.values():
         C.stream_wait_event(s.cuda_stream, event)
-    for tensor in tensors:
+    for tensor in cuda:
         tensor.record_stream(streams.get(tensor.device.index, stream))
+
+
+def hand_to_lane(value: Any, src: Any, event: int, dst: Any) -> tuple[Any, int]:
+    """`value`, produced on lane `src` before `event` (a cudaEvent_t as an int), made
+    usable on lane `dst`'s compute stream (the calling lane's), and the bytes of any copy
+    made. See Note [Hidden-state handoff]."""
+    if not src.is_gpu and not dst.is_gpu:
+        return value, 0
+    if src.is_gpu and dst.is_gpu and src.device_index == dst.device_index:
+        hand_over(value, event, torch.cuda.current_stream())
+        return value, 0
+    device = torch.device(dst.device)
+    with contextlib.ExitStack() as streams:
+        if src.is_gpu:
+            src_stream = src.copy_stream
+            C.stream_wait_event(src_stream.cuda_stream, event)
+            streams.enter_context(torch.cuda.stream(src_stream))
+        if dst.is_gpu:
+            dst_stream = dst.copy_stream
+            streams.enter_context(torch.cuda.stream(dst_stream))
+        # Into host memory the copy must be complete before the CPU reads it.
+        moved = map_tensors(lambda t: t.to(device, non_blocking=dst.is_gpu), value)
+        if src.is_gpu:
+            for tensor in tensors(value):
+                if tensor.is_cuda:
+                    tensor.record_stream(src_stream)
+        if dst.is_gpu:
+            copied = torch.cuda.Event()
+            copied.record(dst_stream)
+    if dst.is_gpu:
+        compute = torch.cuda.current_stream()
+        compute.wait_event(copied)
+        for tensor in tensors(moved):
+            if tensor.is_cuda:
+                tensor.record_stream(compute)
+    return moved, sum(t.nbytes for t in tensors(moved))

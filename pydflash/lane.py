@@ -8,6 +8,7 @@ from typing import Any, Callable
 from ._future import Future
 from ._native import C
 from .devices import CPU, describe
+from .graph_exec import graph_exec_handle
 
 DEFAULT_SPIN_US = 50.0
 
@@ -91,8 +92,6 @@ class Lane(concurrent.futures.Executor):
         future completes when the GPU has run the graph; the graph (and its memory pool)
         is kept alive until then. `graph` is a torch.cuda.CUDAGraph or a
         pydflash.graphs.CapturedGraph."""
-        from .graphs import graph_exec_handle
-
         handle, keepalive = graph_exec_handle(graph, self)
         return self._native.submit_graph(handle, keepalive, self)
 

@@ -10,7 +10,7 @@ Note [Pipeline order]: microbatch k of step s runs its target on target lane
 k % len(target_lanes) and trains replica r = (k % accumulate) % len(drafter_lanes) on
 drafter lane r. A drafter task waits on the host for its target future (whose Python
 returns once the target's kernels are queued), hands the result over (Note
-[Hidden-state handoff]), runs `loss(drafter, inputs)` and the backward of
+[Hidden-state handoff] in handoff.py), runs `loss(drafter, inputs)` and the backward of
 `loss / accumulate`. After a step's last microbatch every drafter lane gets a step task
 (with several replicas, lane 0 first sums the replicas' gradients). A lane runs its
 tasks in order, so a replica's microbatches, the reduction and the optimizer step never
@@ -20,16 +20,6 @@ that bounds the hidden states alive, and lets the target run ahead of the drafte
 up to depth - 1 microbatches. On GPU lanes "completion" means the drafter's kernels have
 run, not just been queued: the caching allocator hands out memory when work is queued,
 so a host running ahead of the GPU would hold more than `depth` microbatches.
-
-Note [Hidden-state handoff]: no host sync on GPU lanes. On one GPU the drafter's stream
-waits on the target future's event and the tensors are used in place (record_stream, see
-Note [Tensors across streams] in handoff.py). Across GPUs torch issues a device-to-device
-copy on the *source* device's current stream, with event barriers to the destination's
-current stream (aten/src/ATen/native/cuda/Copy.cu). So the copy is made with the target
-lane's copy stream current on the source device (made to wait on the target's event) and
-the drafter lane's copy stream current on the destination; the drafter's compute stream
-then waits on an event recorded on its copy stream. torch uses a peer copy when
-`can_device_access_peer` allows, and stages through the host otherwise.
 
 Determinism: with one drafter replica the drafter sees the same operations in the same
 order as a plain loop, so CPU losses match it exactly. Stages must not draw from torch's
@@ -50,9 +40,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from ._future import Future
-from ._native import C
 from .errors import PipelineError
-from .handoff import hand_over, iter_tensors
+from .handoff import hand_to_lane, map_tensors, tensors
 from .lane import Lane
 
 STAGES = ("data", "target", "transfer", "drafter", "reduce", "optimizer")
@@ -133,7 +122,7 @@ def _run_target(fn: Callable[[Any], Any], lane: Lane, batch: Any, threads: int) 
 def _clone_replay(replay: Future) -> Any:
     outputs = replay.result()
     with torch.no_grad():
-        return _tree_map(lambda t: t.clone(), outputs)
+        return map_tensors(torch.Tensor.clone, outputs)
 
 
 # --- results ------------------------------------------------------------------------------
@@ -168,6 +157,58 @@ class StepResult:
 
 class _Upstream(Exception):
     """A task's input failed or was cancelled; the failure is reported by its own stage."""
+
+
+class _HiddenBytes:
+    """The bytes of hidden states a pipeline holds: each microbatch's target result from
+    when it is produced, plus its copy on another device, until the microbatch leaves.
+
+    Invariant: `held` is the sum of the microbatches' entries, `peak` the most `held`
+    has been, and `per_microbatch` the most one entry has been. A microbatch that left
+    before its target finished is closed: its target's bytes, should they arrive, are
+    not counted, as no drafter takes them. Not locked: the pipeline calls it under its
+    own condition."""
+
+    def __init__(self) -> None:
+        self._by_microbatch: dict[int, int] = {}
+        self._closed: set[int] = set()
+        self._held = 0
+        self._peak = 0
+        self._per_microbatch = 0
+
+    def hold(self, k: int, nbytes: int) -> None:
+        """Counts `nbytes` more for microbatch k, unless it is closed."""
+        if nbytes == 0 or k in self._closed:
+            return
+        held = self._by_microbatch.get(k, 0) + nbytes
+        self._by_microbatch[k] = held
+        self._per_microbatch = max(self._per_microbatch, held)
+        self._held += nbytes
+        self._peak = max(self._peak, self._held)
+
+    def release(self, k: int, *, target_may_follow: bool) -> None:
+        """Microbatch k left; with target_may_follow (its drafter did not take the
+        target's result), it is closed."""
+        if target_may_follow:
+            self._closed.add(k)
+        self._held -= self._by_microbatch.pop(k, 0)
+
+    def release_all(self) -> None:
+        """Every microbatch left (the pipeline stopped); all are closed."""
+        for k in list(self._by_microbatch):
+            self.release(k, target_may_follow=True)
+
+    def new_run(self) -> None:
+        """A run starts: microbatch indices after a stop repeat earlier ones, so none is
+        closed any more."""
+        self._closed.clear()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "hidden_bytes_held": self._held,
+            "hidden_bytes_peak": self._peak,
+            "hidden_bytes_per_microbatch": self._per_microbatch,
+        }
 
 
 # --- the pipeline -------------------------------------------------------------------------
@@ -210,14 +251,22 @@ class Pipeline:
         n_targets, n_drafters = len(self._target_lanes), len(self._drafter_lanes)
         self._targets = [
             t if isinstance(t, TargetStage) else EagerTarget(t)
-            for t in _per_lane(target, n_targets, "target", _is_target)
+            for t in _per_lane(target, n_targets, "target", "a callable or TargetStage", _is_target)
         ]
         for stage, lane in zip(self._targets, self._target_lanes):
             stage.check_lane(lane)
-        self._drafters = _per_lane(drafter, n_drafters, "drafter", _is_module)
-        self._optimizers = _per_lane(optimizer, n_drafters, "optimizer", _is_optimizer)
+
+        def per_drafter(value: Any, name: str, kind: str, accepts: Callable[[Any], bool]) -> list:
+            return _per_lane(value, n_drafters, name, kind, accepts, one_each="drafter lane")
+
+        self._drafters = per_drafter(drafter, "drafter", "a torch.nn.Module", _is_module)
+        self._optimizers = per_drafter(
+            optimizer, "optimizer", "a torch.optim.Optimizer", _is_optimizer
+        )
         self._schedulers = (
-            None if scheduler is None else _per_lane(scheduler, n_drafters, "scheduler", _has_step)
+            None
+            if scheduler is None
+            else per_drafter(scheduler, "scheduler", "an object with step()", _has_step)
         )
         if not callable(loss):
             raise TypeError(f"expected a callable loss(drafter, inputs), got {type(loss).__name__}")
@@ -252,11 +301,7 @@ class Pipeline:
         self._run_start = 0  # first microbatch of the current run
         self._settled: set[int] = set()  # microbatches whose drafter task has ended
         self._gpu_done: dict[int, Any] = {}  # microbatch -> event after its drafter's kernels
-        self._held_by: dict[int, int] = {}
-        self._closed: set[int] = set()  # released before their target finished
-        self._held = 0
-        self._peak = 0
-        self._per_microbatch = 0
+        self._hidden = _HiddenBytes()
         self._microbatches = 0  # trained (forward and backward done)
         self._cancelled = 0  # tasks cancelled by a failure or an early exit
         self._steps = 0  # applied on every replica
@@ -311,7 +356,7 @@ class Pipeline:
             if self._active:
                 raise PipelineError("this pipeline is already running")
             self._active = True
-            self._closed.clear()
+            self._hidden.new_run()
             self._settled.clear()
             self._gpu_done.clear()
             self._run_start = self._next_microbatch
@@ -376,7 +421,10 @@ class Pipeline:
             self._release_slot()
             self._fail(_stage_error("target", k, t_lane, exc))
             self._raise_failure()
-        self._track(target, "target", k, t_lane, on_result=lambda f: self._hold(k, _nbytes(f._result)))
+        self._track(
+            target, "target", k, t_lane,
+            on_result=lambda f: self._hold(k, sum(t.nbytes for t in tensors(f.result()))),
+        )
         try:
             drafter = d_lane.submit(
                 self._drafter_task, k, replica, target, self._targets[t_index], t_lane, sync
@@ -429,11 +477,11 @@ class Pipeline:
         # A recycled result goes back to its stage once the drafter's GPU work is done.
         recycled = produced if stage.recycles and lane.is_gpu else None
         try:
-            inputs, moved_bytes = _handoff(produced, t_lane, target.event, lane)
+            inputs, moved_bytes = hand_to_lane(produced, t_lane, target.event, lane)
         except BaseException as exc:
             raise _stage_error("transfer", k, lane, exc) from exc
         finally:
-            target._result = None  # the drafter holds what it needs; see depth
+            target.replace_result(None)  # the drafter holds what it needs; see depth
             del produced
         self._hold(k, moved_bytes)
         model = self._drafters[replica]
@@ -467,7 +515,7 @@ class Pipeline:
             total = [None if p.grad is None else p.grad.clone() for p in self._params[0]]
             for r in range(1, n_drafters):
                 lane, last = self._drafter_lanes[r], microbatches[r - n_drafters]
-                grads, _ = _handoff([p.grad for p in self._params[r]], lane, last.event, lane0)
+                grads, _ = hand_to_lane([p.grad for p in self._params[r]], lane, last.event, lane0)
                 for i, grad in enumerate(grads):
                     if grad is None:
                         continue
@@ -492,7 +540,7 @@ class Pipeline:
         if reduced is not None:
             total = _input_of(reduced)
             try:
-                grads, copied = _handoff(total, self._drafter_lanes[0], reduced.event, lane)
+                grads, copied = hand_to_lane(total, self._drafter_lanes[0], reduced.event, lane)
             except BaseException as exc:
                 raise _stage_error("reduce", None, lane, exc, step=step) from exc
             # The sum is shared by every replica: each takes its own copy.
@@ -531,10 +579,8 @@ class Pipeline:
             self._submitted += 1
 
         def done(f: Future) -> None:
-            # Callbacks run on the worker before the future is published, where result()
-            # and exception() would wait for themselves: read the outcome directly.
             cancelled = f.cancelled()
-            failure = None if cancelled else f._failure()
+            failure = None if cancelled else f.exception()
             if failure is None and not cancelled and on_result is not None:
                 on_result(f)
             with self._cond:
@@ -550,7 +596,7 @@ class Pipeline:
                     trained = failure is None and not cancelled
                     # A drafter that trained took its target's result, so the target's
                     # bytes were counted already; otherwise they may still arrive.
-                    self._release_locked(k, target_may_follow=not trained)
+                    self._hidden.release(k, target_may_follow=not trained)
                     self._microbatches += trained
                 self._cond.notify_all()
 
@@ -558,7 +604,7 @@ class Pipeline:
 
     def _watch_step(self, future: Future, record: StepResult) -> None:
         def done(f: Future) -> None:
-            ok = not f.cancelled() and f._failure() is None
+            ok = not f.cancelled() and f.exception() is None
             with self._cond:
                 record._failed |= not ok
                 record._pending -= 1
@@ -573,23 +619,8 @@ class Pipeline:
         return record
 
     def _hold(self, k: int, nbytes: int) -> None:
-        if nbytes == 0:
-            return
         with self._cond:
-            if k in self._closed:
-                return
-            held = self._held_by.get(k, 0) + nbytes
-            self._held_by[k] = held
-            self._per_microbatch = max(self._per_microbatch, held)
-            self._held += nbytes
-            self._peak = max(self._peak, self._held)
-
-    def _release_locked(self, k: int | None, target_may_follow: bool) -> None:
-        if k is None:
-            return
-        if target_may_follow:
-            self._closed.add(k)
-        self._held -= self._held_by.pop(k, 0)
+            self._hidden.hold(k, nbytes)
 
     def _release_slot(self) -> None:
         with self._cond:
@@ -628,8 +659,7 @@ class Pipeline:
             self._in_flight = 0
             self._next_step = self._steps
             self._next_microbatch = self._steps * self.accumulate
-            for k in list(self._held_by):
-                self._release_locked(k, target_may_follow=True)
+            self._hidden.release_all()
 
     # --- introspection ------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -643,9 +673,7 @@ class Pipeline:
                 "depth": self.depth,
                 "accumulate": self.accumulate,
                 "in_flight": self._in_flight,
-                "hidden_bytes_held": self._held,
-                "hidden_bytes_peak": self._peak,
-                "hidden_bytes_per_microbatch": self._per_microbatch,
+                **self._hidden.stats(),
                 "target_lanes": [lane.label for lane in self._target_lanes],
                 "drafter_lanes": [lane.label for lane in self._drafter_lanes],
                 "peer_copy": _peer_pairs(self._target_lanes, self._drafter_lanes),
@@ -660,39 +688,6 @@ class Pipeline:
 
 
 # --- helpers ------------------------------------------------------------------------------
-def _handoff(value: Any, src: Lane, event: int, dst: Lane) -> tuple[Any, int]:
-    """`value` made usable on `dst`'s compute stream (the calling lane's), and the bytes of
-    any copy made. See Note [Hidden-state handoff]."""
-    if not src.is_gpu and not dst.is_gpu:
-        return value, 0
-    if src.is_gpu and dst.is_gpu and src.device_index == dst.device_index:
-        hand_over(value, event, torch.cuda.current_stream())
-        return value, 0
-    device = torch.device(dst.device)
-    with contextlib.ExitStack() as streams:
-        if src.is_gpu:
-            src_stream = src.copy_stream
-            C.stream_wait_event(src_stream.cuda_stream, event)
-            streams.enter_context(torch.cuda.stream(src_stream))
-        if dst.is_gpu:
-            dst_stream = dst.copy_stream
-            streams.enter_context(torch.cuda.stream(dst_stream))
-        # Into host memory the copy must be complete before the CPU reads it.
-        moved = _tree_map(lambda t: t.to(device, non_blocking=dst.is_gpu), value)
-        if src.is_gpu:
-            for tensor in iter_tensors(value):
-                tensor.record_stream(src_stream)
-        if dst.is_gpu:
-            copied = torch.cuda.Event()
-            copied.record(dst_stream)
-    if dst.is_gpu:
-        compute = torch.cuda.current_stream()
-        compute.wait_event(copied)
-        for tensor in iter_tensors(moved):
-            tensor.record_stream(compute)
-    return moved, _nbytes(moved)
-
-
 def _input_of(future: Future) -> Any:
     """The result of an earlier stage's future; _Upstream when it failed or was cancelled."""
     try:
@@ -705,33 +700,7 @@ def to_lane(batch: Any, lane: Lane) -> Any:
     if not lane.is_gpu:
         return batch
     device = torch.device(lane.device)
-    return _tree_map(lambda t: t.to(device, non_blocking=True), batch)
-
-
-def _tree_map(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_tree_map(fn, item) for item in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_tree_map(fn, item) for item in obj)
-    if isinstance(obj, dict):
-        return {key: _tree_map(fn, item) for key, item in obj.items()}
-    return obj
-
-
-def _nbytes(obj: Any) -> int:
-    total = 0
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            total += item.nbytes
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-    return total
+    return map_tensors(lambda t: t.to(device, non_blocking=True), batch)
 
 
 def match_intra_op_threads(threads: int) -> None:
@@ -790,22 +759,30 @@ def _lanes(lanes: Any, name: str) -> list[Lane]:
     return lanes
 
 
-def _per_lane(value: Any, count: int, name: str, accepts: Callable[[Any], bool]) -> list[Any]:
-    """One value per lane: a single value shared by all, or a sequence of `count`."""
+def _per_lane(
+    value: Any,
+    count: int,
+    name: str,
+    kind: str,
+    accepts: Callable[[Any], bool],
+    *,
+    one_each: str | None = None,
+) -> list[Any]:
+    """One value per lane: a sequence of `count` values, or a single value shared by all
+    lanes. `one_each` names lanes that each need their own: one value is then refused
+    for several lanes. `kind` says in errors what `accepts` takes."""
     if accepts(value):
-        if count > 1 and name in ("drafter", "optimizer", "scheduler"):
-            raise ValueError(f"expected one {name} per drafter lane ({count}), got one {name}")
+        if count > 1 and one_each is not None:
+            raise ValueError(f"expected one {name} per {one_each} ({count}), got one {name}")
         return [value] * count
     if isinstance(value, (list, tuple)):
         if len(value) != count:
             raise ValueError(f"expected {count} {name}s (one per lane), got {len(value)}")
         for item in value:
             if not accepts(item):
-                raise TypeError(f"expected each {name} to be {_KINDS[name]}, got {type(item).__name__}")
+                raise TypeError(f"expected each {name} to be {kind}, got {type(item).__name__}")
         return list(value)
-    raise TypeError(
-        f"expected {name} to be {_KINDS[name]} or a list of them, got {type(value).__name__}"
-    )
+    raise TypeError(f"expected {name} to be {kind} or a list of them, got {type(value).__name__}")
 
 
 def _is_target(value: Any) -> bool:
@@ -822,14 +799,6 @@ def _is_optimizer(value: Any) -> bool:
 
 def _has_step(value: Any) -> bool:
     return callable(getattr(value, "step", None))
-
-
-_KINDS = {
-    "target": "a callable or TargetStage",
-    "drafter": "a torch.nn.Module",
-    "optimizer": "a torch.optim.Optimizer",
-    "scheduler": "an object with step()",
-}
 
 
 def _positive_int(value: Any, name: str) -> int:

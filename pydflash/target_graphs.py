@@ -57,6 +57,7 @@ from torch.utils import _pytree as pytree
 from . import compile_queue
 from ._future import Future
 from .errors import GraphFallbackWarning, GraphMemoryError
+from .handoff import tensors
 from .lane import Lane
 from .pipeline import TargetStage, match_intra_op_threads, to_lane
 
@@ -320,7 +321,7 @@ class TargetGraphs(TargetStage):
         """Gives `result`'s ring buffer back once `event` (a torch.cuda.Event; default:
         one recorded now on the current stream) has passed on the GPU. Results that are
         not in a ring buffer are left alone."""
-        first = next((x for x in pytree.tree_leaves(result) if isinstance(x, torch.Tensor)), None)
+        first = next(iter(tensors(result)), None)
         if first is None or not first.is_cuda:
             return
         if event is None:

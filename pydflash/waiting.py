@@ -9,7 +9,7 @@ from typing import Any, Iterable
 
 def _lane_name(future: concurrent.futures.Future) -> str:
     lane = getattr(future, "lane", None)
-    return f"pydflash {lane._native.label}" if lane is not None else "an executor outside pydflash"
+    return f"pydflash {lane.label}" if lane is not None else "an executor outside pydflash"
 
 
 def wait_all(

@@ -163,6 +163,31 @@ def test_futures_cannot_be_completed_by_hand(dispatcher):
     assert f.result() == 1
 
 
+def test_a_forwarded_failure_is_the_outcome_waiters_see(dispatcher):
+    gate, wait = blocker()
+    f = dispatcher.lanes[0].submit(wait)
+    error = ValueError("the copy this task reads failed")
+    f.forward_failure(error)
+    gate.set()
+    done, _ = cf.wait([f], timeout=5, return_when=cf.FIRST_EXCEPTION)
+    assert f in done and f.exception() is error
+    with pytest.raises(ValueError, match="the copy this task reads failed"):
+        f.result()
+
+
+def test_a_replaced_result_is_returned_unless_the_task_failed(dispatcher):
+    outputs = object()
+    f = dispatcher.submit(lambda: None)
+    f.exception()
+    f.replace_result(outputs)
+    assert f.result() is outputs
+    failed = dispatcher.submit(lambda: 1 / 0)
+    failed.exception()
+    failed.replace_result(outputs)
+    with pytest.raises(ZeroDivisionError):
+        failed.result()
+
+
 def test_shutdown_waits_for_queued_work():
     d = pydflash.Dispatcher(["cpu"], guard_triton=False)
     done = []

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pydflash
-from pydflash import GraphCaptureError, graphs
+from pydflash import GraphCaptureError, graph_exec, graphs
 
 needs_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or pydflash._C.device_count() == 0,
@@ -59,7 +59,7 @@ class FakeGpuLane:
         return self.lane.submit(fn, *args, **kwargs)
 
     def submit_graph(self, graph):
-        handle, keepalive = graphs.graph_exec_handle(graph, self)
+        handle, keepalive = graph_exec.graph_exec_handle(graph, self)
         assert handle == 1234 and keepalive is graph
         self.native_launches += 1
         torch_graph = graph.graph if isinstance(graph, graphs.CapturedGraph) else graph
@@ -75,7 +75,7 @@ class FakeGpuLane:
 
 @pytest.fixture
 def fake_graph_type(monkeypatch):
-    monkeypatch.setattr(graphs, "_torch_graph_type", lambda: FakeGraph)
+    monkeypatch.setattr(graph_exec, "_torch_graph_type", lambda: FakeGraph)
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def make_captured(lane, native=True, shape=(4, 3)):
 def test_graph_exec_handle_rejects_what_is_not_a_graph(cpu_lane, not_a_graph):
     expected = r"expected a torch\.cuda\.CUDAGraph or a .*CapturedGraph, got"
     with pytest.raises(TypeError, match=expected):
-        graphs.graph_exec_handle(not_a_graph, cpu_lane)
+        graph_exec.graph_exec_handle(not_a_graph, cpu_lane)
 
 
 def test_submit_graph_on_a_cpu_lane_is_a_value_error(cpu_lane, fake_graph_type):
@@ -128,29 +128,29 @@ def test_graph_of_another_device_is_refused(cpu_lane, fake_graph_type):
     other = FakeGpuLane(cpu_lane, device_index=1)
     for graph in (captured, captured.graph):  # the torch graph remembers its device too
         with pytest.raises(ValueError, match=r"expected a lane on cuda:0, .* on cuda:1"):
-            graphs.graph_exec_handle(graph, other)
+            graph_exec.graph_exec_handle(graph, other)
         with pytest.raises(ValueError, match="cuda:0"):
             graphs.submit(other, graph)
 
 
 def test_graph_without_a_raw_handle_names_the_fallback(cpu_lane, monkeypatch):
-    monkeypatch.setattr(graphs, "_torch_graph_type", lambda: FakeGraphWithoutRawHandle)
+    monkeypatch.setattr(graph_exec, "_torch_graph_type", lambda: FakeGraphWithoutRawHandle)
     with pytest.raises(GraphCaptureError, match=r"raw_cuda_graph_exec.*graph\.replay\(\)"):
-        graphs.graph_exec_handle(FakeGraphWithoutRawHandle(), FakeGpuLane(cpu_lane))
+        graph_exec.graph_exec_handle(FakeGraphWithoutRawHandle(), FakeGpuLane(cpu_lane))
 
 
 @pytest.mark.parametrize("raw", [RuntimeError("instantiate() has not been called"), 0])
 def test_graph_without_an_executable_is_a_capture_error(cpu_lane, fake_graph_type, raw):
     with pytest.raises(GraphCaptureError, match="expected a captured"):
-        graphs.graph_exec_handle(FakeGraph(raw=raw), FakeGpuLane(cpu_lane))
+        graph_exec.graph_exec_handle(FakeGraph(raw=raw), FakeGpuLane(cpu_lane))
 
 
 def test_graph_exec_handle_keeps_the_object_submitted_alive(cpu_lane, fake_graph_type):
     lane = FakeGpuLane(cpu_lane)
     graph = FakeGraph()
-    assert graphs.graph_exec_handle(graph, lane) == (1234, graph)
+    assert graph_exec.graph_exec_handle(graph, lane) == (1234, graph)
     captured = make_captured(lane)
-    handle, keepalive = graphs.graph_exec_handle(captured, lane)
+    handle, keepalive = graph_exec.graph_exec_handle(captured, lane)
     assert handle == 1234 and keepalive is captured
 
 
