@@ -13,10 +13,10 @@ The target is the built-in hybrid model unless --target-model (a local Hugging F
 causal LM, never downloaded) or --target-config (a Qwen3-Next with random weights, needs
 transformers) picks another; --target-graphs replays its forward as CUDA graphs.
 
-Prints a progress bar, the loss and tokens/s every --log-every steps, and writes
-loss_curve.png and summary.json to --out. Needs pydflash installed (`pip install -e
-'.[examples]'`); from the repository root, `python -m examples.train_dflash_online` runs
-it too.
+Prints the loss and tokens/s every --log-every steps, with a progress bar on a terminal,
+and writes loss_curve.png and summary.json to --out. Needs pydflash installed (`pip install
+-e '.[examples]'`); from the repository root, `python -m examples.train_dflash_online`
+runs it too.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 if __package__:  # python -m examples.train_dflash_online
     from . import dflash
@@ -168,29 +169,10 @@ def default_placement(args: argparse.Namespace, local_rank: int | None) -> dflas
     return dflash.loops.Placement.parse(devices, ratio)
 
 
-class Progress:
-    """A one-line progress bar on a terminal; elsewhere only the periodic log lines."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled = total, enabled
-        self.tty = enabled and sys.stderr.isatty()
-
-    def update(self, done: int) -> None:
-        if self.tty:
-            width = 30
-            filled = width * done // self.total
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total}")
-            sys.stderr.flush()
-
-    def log(self, line: str) -> None:
-        if self.enabled:
-            if self.tty:
-                sys.stderr.write("\r" + " " * 50 + "\r")
-            print(line, flush=True)
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
+def log(line: str) -> None:
+    """Prints a line on stdout, above the progress bar when there is one."""
+    with tqdm.external_write_mode():
+        print(line, flush=True)
 
 
 @dataclasses.dataclass
@@ -211,7 +193,8 @@ def synchronize(placement: dflash.loops.Placement) -> None:
 
 def train(mode: str, job: dflash.loops.Job, placement: dflash.loops.Placement,
           batches: list[dict], steps: int, depth: int, *, ddp: bool, log_every: int,
-          progress: Progress, trace: Path | None = None, graphs: bool = False) -> Outcome:
+          verbose: bool, trace: Path | None = None, graphs: bool = False) -> Outcome:
+    """Trains with `mode`'s loop; rank 0 (`verbose`) logs and shows a progress bar."""
     models = dflash.loops.build_models(job, placement, ddp=ddp)
     warm = dflash.data.MarkovTokens(job.target.vocab, job.seq, job.batch,
                                     seed=job.seed + 1).batch(0)
@@ -230,22 +213,26 @@ def train(mode: str, job: dflash.loops.Job, placement: dflash.loops.Placement,
         else:
             step_iter = dflash.loops.executor_steps(models, placement, job, batches, steps, depth)
     synchronize(placement)
-    progress.log(f"{mode}: target lanes {list(placement.targets)}, drafter lanes "
-                 f"{list(placement.drafters)}, {job.tokens_per_step} tokens per step")
+    if verbose:
+        log(f"{mode}: target lanes {list(placement.targets)}, drafter lanes "
+            f"{list(placement.drafters)}, {job.tokens_per_step} tokens per step")
     collected = []
+    # disable=None: a bar only where stderr is a terminal; elsewhere the log lines alone.
+    bar = tqdm(total=steps, desc=mode, unit="step", disable=None if verbose else True)
     start = window_start = time.perf_counter()
     try:
         for step, step_losses in enumerate(step_iter, 1):
             collected.append(step_losses)
+            bar.update()
             if step % log_every == 0 or step == steps:
                 losses = step_losses()  # syncs: only every log_every steps
                 now = time.perf_counter()
                 window = step - (step - 1) // log_every * log_every
                 rate = window * job.tokens_per_step / (now - window_start)
-                progress.log(f"{mode} step {step}/{steps}  loss {sum(losses) / len(losses):.4f}  "
-                             f"tokens/s {rate:,.0f}")
+                if verbose:
+                    log(f"{mode} step {step}/{steps}  loss {sum(losses) / len(losses):.4f}  "
+                        f"tokens/s {rate:,.0f}")
                 window_start = now
-            progress.update(step)
         synchronize(placement)
         wall = time.perf_counter() - start
     finally:
@@ -255,7 +242,7 @@ def train(mode: str, job: dflash.loops.Job, placement: dflash.loops.Placement,
             if trace is not None:
                 loop.dispatcher.export_trace(trace)
             loop.close()
-        progress.close()
+        bar.close()
     return Outcome(mode, [f() for f in collected], wall, models, stats, graph_stats)
 
 
@@ -327,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     pin = any(d.startswith("cuda") for d in placement.lanes)
     # Rank r trains on microbatches r, r + world, ...: one stream of data split by rank.
     batches = data.batches(rank, steps * job.accumulate, stride=world, pin=pin)
-    progress = Progress(steps, enabled=rank == 0)
-    kwargs = dict(ddp=ddp, log_every=args.log_every, progress=progress)
+    kwargs = dict(ddp=ddp, log_every=args.log_every, verbose=rank == 0)
     trace = None if args.trace is None or rank else args.trace
     outcome = train(args.mode, job, placement, batches, steps, args.depth, trace=trace,
                     graphs=args.target_graphs, **kwargs)
