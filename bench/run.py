@@ -23,6 +23,8 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
+from tqdm import tqdm
+
 if not __package__:
     # Run as a script (`python bench/run.py`): import this file's package as
     # `python -m bench.run` does (PEP 366).
@@ -60,18 +62,28 @@ def _section_list(text: str) -> list[str]:
 
 
 class Progress:
-    """One line per step on stderr, with the time since the run started."""
+    """A bar over the sections on stderr where it is a terminal (tqdm), and above it,
+    everywhere, one line per step with the time since the run started."""
 
-    def __init__(self, stream: Any = None) -> None:
+    def __init__(self, sections: int, stream: Any = None) -> None:
         self._stream = stream if stream is not None else sys.stderr
         self._start = time.perf_counter()
+        # disable=None: no bar in a log file or a pipe, where the lines say it all.
+        self._bar = tqdm(total=sections, unit="section", file=self._stream, disable=None)
 
     def for_section(self, name: str, position: str) -> Callable[[str], None]:
+        self._bar.set_description_str(name)
         return lambda message: self(f"{name} ({position}): {message}")
 
+    def section_done(self) -> None:
+        self._bar.update()
+
+    def close(self) -> None:
+        self._bar.close()
+
     def __call__(self, message: str) -> None:
-        print(f"[{time.perf_counter() - self._start:6.1f}s] {message}", file=self._stream,
-              flush=True)
+        self._bar.write(f"[{time.perf_counter() - self._start:6.1f}s] {message}", file=self._stream)
+        self._stream.flush()
 
 
 def machine() -> dict[str, Any]:
@@ -131,7 +143,8 @@ def run_section(name: str, ctx: Context) -> tuple[list[Row], dict[str, Any]]:
 
 
 def _failed(name: str, exc: BaseException, start: float) -> tuple[list[Row], dict[str, Any]]:
-    traceback.print_exception(exc, file=sys.stderr)
+    with tqdm.external_write_mode(file=sys.stderr):  # above the bar, not through it
+        traceback.print_exception(exc, file=sys.stderr)
     reason = f"{type(exc).__name__}: {exc}"
     seconds = round(time.perf_counter() - start, 2)
     status = {"status": "failed", "reason": reason, "seconds": seconds}
@@ -150,18 +163,22 @@ def main(argv: Sequence[str] | None = None, options: Any = None) -> int:
         print(why, file=sys.stderr)
         return 2
     started = time.perf_counter()
-    progress = Progress()
+    progress = Progress(len(args.sections))
     header = machine()
     ctx = Context(quick=args.quick, gpus=header["gpus_used"], progress=progress, options=options)
     rows: list[Row] = []
     sections: dict[str, dict[str, Any]] = {}
-    for position, name in enumerate(args.sections, 1):
-        ctx.progress = progress.for_section(name, f"{position}/{len(args.sections)}")
-        ctx.progress("starting")
-        section_rows, sections[name] = run_section(name, ctx)
-        if sections[name]["status"] != "ok":
-            ctx.progress(f"{sections[name]['status']}: {sections[name]['reason']}")
-        rows += section_rows
+    try:
+        for position, name in enumerate(args.sections, 1):
+            ctx.progress = progress.for_section(name, f"{position}/{len(args.sections)}")
+            ctx.progress("starting")
+            section_rows, sections[name] = run_section(name, ctx)
+            if sections[name]["status"] != "ok":
+                ctx.progress(f"{sections[name]['status']}: {sections[name]['reason']}")
+            rows += section_rows
+            progress.section_done()
+    finally:
+        progress.close()
     trace = ctx.artifacts.get("trace")
     result = {
         "header": header,

@@ -9,7 +9,7 @@
 #      loop and each stage alone, and the hidden-state bytes held at each depth.
 # Usage: bash examples/gpu_check.sh        (OUT_DIR=... to choose where results go)
 # With two GPUs, the same benchmark puts target and drafter on separate devices, and
-#   python examples/train_dflash_online.py --devices cuda:0 cuda:1 --ratio 1:1 --check
+#   python -m examples.train_dflash_online --devices cuda:0 cuda:1 --ratio 1:1 --check
 # checks the peer-copy path.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,9 +23,9 @@ run() {
   "$@" || { echo "!! failed: $*"; failed=1; }
 }
 run python3 -m pytest -q -m gpu tests/test_pipeline.py tests/test_example.py
-run python3 examples/train_dflash_online.py --devices cuda:0 --ratio 1:1 --check \
+run python3 -m examples.train_dflash_online --devices cuda:0 --ratio 1:1 --check \
   --steps 30 --log-every 10 --out "$out"
-run python3 examples/train_dflash_online.py --devices cuda:0 --ratio 1:1 --check \
+run python3 -m examples.train_dflash_online --devices cuda:0 --ratio 1:1 --check \
   --target-config qwen3-next-small --target-graphs --steps 20 --log-every 10 --out "$out/hf"
 run python3 -m bench.pipeline --quick --json "$out/bench_pipeline.json"
 echo "results in $out"

@@ -13,8 +13,10 @@ The target is the built-in hybrid model unless --target-model (a local Hugging F
 causal LM, never downloaded) or --target-config (a Qwen3-Next with random weights, needs
 transformers) picks another; --target-graphs replays its forward as CUDA graphs.
 
-Prints a progress bar, the loss and tokens/s every --log-every steps, and writes
-loss_curve.png and summary.json to --out.
+Prints the loss and tokens/s every --log-every steps, with a progress bar on a terminal,
+and writes loss_curve.png and summary.json to --out. Needs pydflash installed (`pip install
+-e '.[examples]'`); from the repository root, `python -m examples.train_dflash_online`
+runs it too.
 """
 
 from __future__ import annotations
@@ -28,24 +30,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # an in-place build of pydflash
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from dflash.data import MarkovTokens  # noqa: E402
-from dflash.hf import QWEN3_NEXT, HFTargetConfig, parse_layers  # noqa: E402
-from dflash.loops import (  # noqa: E402
-    Job,
-    Models,
-    PipelineLoop,
-    Placement,
-    build_models,
-    executor_steps,
-    sequential_steps,
-    target_forward,
-)
-from dflash.models import TINY_DRAFTER, TINY_TARGET, DrafterConfig, TargetConfig  # noqa: E402
+if __package__:  # python -m examples.train_dflash_online
+    from . import dflash
+else:  # python examples/train_dflash_online.py: Python puts this folder first on sys.path
+    import dflash
 
 BF16_RTOL = 2e-2  # losses of two bf16 runs: a few bf16 ulps (2^-8) of drift over the steps
 
@@ -73,7 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--target-model", type=Path, metavar="PATH",
                         help="a local Hugging Face causal LM as the target (from_pretrained, no download)")
-    source.add_argument("--target-config", choices=list(QWEN3_NEXT),
+    source.add_argument("--target-config", choices=list(dflash.hf.QWEN3_NEXT),
                         help="a Qwen3-Next target built from this config, with random weights")
     p.add_argument("--moe", action="store_true", help="--target-config with MoE blocks, not a dense MLP")
     p.add_argument("--target-layers", type=layer_list, metavar="I,J,...",
@@ -108,22 +100,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def layer_list(text: str) -> tuple[int, ...]:
     try:
-        return parse_layers(text)
+        return dflash.hf.parse_layers(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def make_target(args: argparse.Namespace) -> TargetConfig | HFTargetConfig:
+def make_target(args: argparse.Namespace) -> dflash.models.TargetConfig | dflash.hf.HFTargetConfig:
     if args.target_model or args.target_config:
         try:
-            return HFTargetConfig.load(args.target_model or args.target_config,
-                                       args.target_layers, moe=args.moe)
+            return dflash.hf.HFTargetConfig.load(args.target_model or args.target_config,
+                                                 args.target_layers, moe=args.moe)
         except ModuleNotFoundError as exc:
             raise SystemExit(
                 f"a Hugging Face target needs {exc.name}: pip install 'pydflash[hf]'") from exc
         except (OSError, ValueError) as exc:
             raise SystemExit(f"cannot use that target: {exc}") from exc
-    target = TINY_TARGET if args.tiny else TargetConfig()
+    target = dflash.models.TINY_TARGET if args.tiny else dflash.models.TargetConfig()
     target = dataclasses.replace(
         target,
         **{k: v for k, v in {"vocab": args.vocab, "dim": args.dim, "layers": args.layers,
@@ -141,15 +133,15 @@ def make_target(args: argparse.Namespace) -> TargetConfig | HFTargetConfig:
         raise SystemExit(f"--target-layers: {exc}") from exc
 
 
-def make_job(args: argparse.Namespace) -> tuple[Job, int]:
+def make_job(args: argparse.Namespace) -> tuple[dflash.loops.Job, int]:
     target = make_target(args)
-    drafter = TINY_DRAFTER if args.tiny else DrafterConfig()
+    drafter = dflash.models.TINY_DRAFTER if args.tiny else dflash.models.DrafterConfig()
     drafter = dataclasses.replace(
         drafter,
         **{k: v for k, v in {"layers": args.drafter_layers, "block": args.block,
                              "heads": args.heads, "head_dim": args.head_dim}.items() if v is not None},
     )
-    job = Job(
+    job = dflash.loops.Job(
         target=target,
         drafter=drafter,
         seq=args.seq or (32 if args.tiny else 1024),
@@ -162,7 +154,7 @@ def make_job(args: argparse.Namespace) -> tuple[Job, int]:
     return job, steps
 
 
-def default_placement(args: argparse.Namespace, local_rank: int | None) -> Placement:
+def default_placement(args: argparse.Namespace, local_rank: int | None) -> dflash.loops.Placement:
     gpus = torch.cuda.device_count()
     devices = args.devices
     if devices is None:
@@ -174,32 +166,13 @@ def default_placement(args: argparse.Namespace, local_rank: int | None) -> Place
         else:
             devices = [f"cuda:{i}" for i in range(gpus)] if gpus else ["cpu"]
     ratio = args.ratio or (f"{len(devices) - 1}:1" if len(devices) > 1 else "1:1")
-    return Placement.parse(devices, ratio)
+    return dflash.loops.Placement.parse(devices, ratio)
 
 
-class Progress:
-    """A one-line progress bar on a terminal; elsewhere only the periodic log lines."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled = total, enabled
-        self.tty = enabled and sys.stderr.isatty()
-
-    def update(self, done: int) -> None:
-        if self.tty:
-            width = 30
-            filled = width * done // self.total
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total}")
-            sys.stderr.flush()
-
-    def log(self, line: str) -> None:
-        if self.enabled:
-            if self.tty:
-                sys.stderr.write("\r" + " " * 50 + "\r")
-            print(line, flush=True)
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
+def log(line: str) -> None:
+    """Prints a line on stdout, above the progress bar when there is one."""
+    with tqdm.external_write_mode():
+        print(line, flush=True)
 
 
 @dataclasses.dataclass
@@ -207,52 +180,59 @@ class Outcome:
     mode: str
     losses: list[list[float]]  # per step, per microbatch
     wall_s: float
-    models: Models
+    models: dflash.loops.Models
     pipeline_stats: dict | None = None
     graph_stats: list[dict] | None = None  # per TargetGraphs, with --target-graphs
 
 
-def synchronize(placement: Placement) -> None:
+def synchronize(placement: dflash.loops.Placement) -> None:
     for device in set(placement.lanes):
         if device.startswith("cuda"):
             torch.cuda.synchronize(device)
 
 
-def train(mode: str, job: Job, placement: Placement, batches: list[dict], steps: int,
-          depth: int, *, ddp: bool, log_every: int, progress: Progress,
-          trace: Path | None = None, graphs: bool = False) -> Outcome:
-    models = build_models(job, placement, ddp=ddp)
-    warm = MarkovTokens(job.target.vocab, job.seq, job.batch, seed=job.seed + 1).batch(0)
+def train(mode: str, job: dflash.loops.Job, placement: dflash.loops.Placement,
+          batches: list[dict], steps: int, depth: int, *, ddp: bool, log_every: int,
+          verbose: bool, trace: Path | None = None, graphs: bool = False) -> Outcome:
+    """Trains with `mode`'s loop; rank 0 (`verbose`) logs and shows a progress bar."""
+    models = dflash.loops.build_models(job, placement, ddp=ddp)
+    warm = dflash.data.MarkovTokens(job.target.vocab, job.seq, job.batch,
+                                    seed=job.seed + 1).batch(0)
     loop = None
     if mode == "pipeline":
-        loop = PipelineLoop(models, placement, job, depth, trace=trace is not None, graphs=graphs)
+        loop = dflash.loops.PipelineLoop(models, placement, job, depth, trace=trace is not None,
+                                         graphs=graphs)
         loop.warm_up(warm)
         step_iter = loop.steps(batches, steps)
     else:
         with torch.no_grad():  # the same Triton warm-up as the pipeline's
             for target, device in zip(models.targets, placement.targets):
-                target_forward(target)({k: t.to(device) for k, t in warm.items()})
+                dflash.loops.target_forward(target)({k: t.to(device) for k, t in warm.items()})
         if mode == "sequential":
-            step_iter = sequential_steps(models, placement, job, batches, steps)
+            step_iter = dflash.loops.sequential_steps(models, placement, job, batches, steps)
         else:
-            step_iter = executor_steps(models, placement, job, batches, steps, depth)
+            step_iter = dflash.loops.executor_steps(models, placement, job, batches, steps, depth)
     synchronize(placement)
-    progress.log(f"{mode}: target lanes {list(placement.targets)}, drafter lanes "
-                 f"{list(placement.drafters)}, {job.tokens_per_step} tokens per step")
+    if verbose:
+        log(f"{mode}: target lanes {list(placement.targets)}, drafter lanes "
+            f"{list(placement.drafters)}, {job.tokens_per_step} tokens per step")
     collected = []
+    # disable=None: a bar only where stderr is a terminal; elsewhere the log lines alone.
+    bar = tqdm(total=steps, desc=mode, unit="step", disable=None if verbose else True)
     start = window_start = time.perf_counter()
     try:
         for step, step_losses in enumerate(step_iter, 1):
             collected.append(step_losses)
+            bar.update()
             if step % log_every == 0 or step == steps:
                 losses = step_losses()  # syncs: only every log_every steps
                 now = time.perf_counter()
                 window = step - (step - 1) // log_every * log_every
                 rate = window * job.tokens_per_step / (now - window_start)
-                progress.log(f"{mode} step {step}/{steps}  loss {sum(losses) / len(losses):.4f}  "
-                             f"tokens/s {rate:,.0f}")
+                if verbose:
+                    log(f"{mode} step {step}/{steps}  loss {sum(losses) / len(losses):.4f}  "
+                        f"tokens/s {rate:,.0f}")
                 window_start = now
-            progress.update(step)
         synchronize(placement)
         wall = time.perf_counter() - start
     finally:
@@ -262,11 +242,11 @@ def train(mode: str, job: Job, placement: Placement, batches: list[dict], steps:
             if trace is not None:
                 loop.dispatcher.export_trace(trace)
             loop.close()
-        progress.close()
+        bar.close()
     return Outcome(mode, [f() for f in collected], wall, models, stats, graph_stats)
 
 
-def drafter_state(models: Models) -> dict[str, torch.Tensor]:
+def drafter_state(models: dflash.loops.Models) -> dict[str, torch.Tensor]:
     module = models.drafters[0]
     module = getattr(module, "module", module)  # DistributedDataParallel
     return {name: p.detach().cpu() for name, p in module.named_parameters() if p.requires_grad}
@@ -330,12 +310,11 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_device(placement.drafters[0])
         dist.init_process_group("nccl" if on_gpu else "gloo")
     job, steps = make_job(args)
-    data = MarkovTokens(job.target.vocab, job.seq, job.batch, seed=args.seed)
+    data = dflash.data.MarkovTokens(job.target.vocab, job.seq, job.batch, seed=args.seed)
     pin = any(d.startswith("cuda") for d in placement.lanes)
     # Rank r trains on microbatches r, r + world, ...: one stream of data split by rank.
     batches = data.batches(rank, steps * job.accumulate, stride=world, pin=pin)
-    progress = Progress(steps, enabled=rank == 0)
-    kwargs = dict(ddp=ddp, log_every=args.log_every, progress=progress)
+    kwargs = dict(ddp=ddp, log_every=args.log_every, verbose=rank == 0)
     trace = None if args.trace is None or rank else args.trace
     outcome = train(args.mode, job, placement, batches, steps, args.depth, trace=trace,
                     graphs=args.target_graphs, **kwargs)
@@ -360,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         "world": world,
         "targets": list(placement.targets),
         "drafters": list(placement.drafters),
-        "target": "built-in hybrid" if isinstance(job.target, TargetConfig) else job.target.source,
+        "target": ("built-in hybrid" if isinstance(job.target, dflash.models.TargetConfig)
+                   else job.target.source),
         "target_layers": list(job.target.capture_layers),
         "target_graphs": outcome.graph_stats,
         "steps": steps,

@@ -1,9 +1,11 @@
 import os
+import subprocess
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "tests", "scripts")  # what tests run in a child interpreter
 
 
 def cuda_available() -> bool:
@@ -32,19 +34,31 @@ def python_subprocess_env():
     return env
 
 
+def _run_child(argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture
+def run_child_script(python_subprocess_env):
+    """Runs tests/scripts/<name> with `args` in a fresh interpreter; returns the
+    CompletedProcess. `env` entries replace the subprocess environment's."""
+
+    def run(name: str, *args: str, timeout: float = 60, env: dict | None = None):
+        argv = [os.path.join(SCRIPTS, name), *args]
+        return _run_child(argv, {**python_subprocess_env, **(env or {})}, timeout)
+
+    return run
+
+
 @pytest.fixture
 def run_python(python_subprocess_env):
-    """Runs a Python snippet in a fresh interpreter; returns the CompletedProcess."""
-    import subprocess
+    """Runs a Python snippet in a fresh interpreter; returns the CompletedProcess.
+    Prefer a file under tests/scripts and `run_child_script`: a file is linted."""
 
     def run(code: str, timeout: float = 60, env: dict | None = None):
-        return subprocess.run(
-            [sys.executable, "-c", code],
-            env={**python_subprocess_env, **(env or {})},
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        return _run_child(["-c", code], {**python_subprocess_env, **(env or {})}, timeout)
 
     return run
 

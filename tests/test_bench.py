@@ -338,15 +338,14 @@ def test_real_target_section_is_not_run_without_transformers(monkeypatch, tmp_pa
 def test_compile_child_is_killed_at_its_limit_and_reports_how_far_it_got():
     from bench.real_target import compile_child
 
-    sleeper = "import json, time; print(json.dumps({'phase': 'built'}), flush=True); time.sleep(60)"
-    report, failure = compile_child([sys.executable, "-c", sleeper], limit=2)
+    def child(behaviour: str) -> list[str]:
+        return [sys.executable, str(ROOT / "tests" / "scripts" / "fake_compile_child.py"), behaviour]
+
+    report, failure = compile_child(child("sleep"), limit=2)
     assert report == {"phase": "built"} and failure == "still running at the 2 s limit"
-    crash = "import sys; sys.exit('RuntimeError: no compiler')"
-    report, failure = compile_child([sys.executable, "-c", crash], limit=30)
+    report, failure = compile_child(child("crash"), limit=30)
     assert report == {} and failure == "exit 1: RuntimeError: no compiler"
-    no_graphs = ("import json, sys; print('skipping cudagraphs due to mutated inputs', file=sys.stderr);"
-                 " print(json.dumps({'phase': 'timed'}))")
-    report, failure = compile_child([sys.executable, "-c", no_graphs], limit=30)
+    report, failure = compile_child(child("no-graphs"), limit=30)
     assert failure is None
     assert report == {"phase": "timed", "cudagraphs_skipped": "skipping cudagraphs due to mutated inputs"}
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -200,13 +199,20 @@ def test_sequential_executor_and_pipeline_losses_are_equal_on_cpu(ratio):
 
 
 # --- the script -----------------------------------------------------------------------------
-def run_script(*args: str, nproc: int | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, str(SCRIPT), *args]
-    if nproc is not None:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", str(nproc), *command[1:]]
-    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+def run_script(*args: str, outside: Path, nproc: int | None = None,
+               as_module: bool = False) -> subprocess.CompletedProcess:
+    """Runs the example as its README says, on the installed pydflash with nothing added
+    to the environment: by path from `outside` (a folder outside the checkout, so only the
+    script's own folder is on sys.path), under torchrun with `nproc`, or with `as_module`
+    as `python -m examples.train_dflash_online` from the checkout's root."""
+    if as_module:
+        command, cwd = [sys.executable, "-m", "examples.train_dflash_online", *args], ROOT
+    else:
+        command, cwd = [sys.executable, str(SCRIPT), *args], outside
+        if nproc is not None:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc-per-node", str(nproc), *command[1:]]
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
@@ -214,7 +220,7 @@ def run_script(*args: str, nproc: int | None = None, cwd: Path = ROOT) -> subpro
 @pytest.mark.timeout(300)
 def test_the_tiny_example_trains_and_writes_a_loss_curve(tmp_path):
     result = run_script("--tiny", "--steps", "24", "--log-every", "8", "--out", str(tmp_path),
-                        "--trace", str(tmp_path / "trace.json"))
+                        "--trace", str(tmp_path / "trace.json"), outside=tmp_path)
     lines = result.stdout.splitlines()
     logs = [line for line in lines if line.startswith("pipeline step")]
     assert [line.split()[2] for line in logs] == ["8/24", "16/24", "24/24"]
@@ -233,9 +239,10 @@ def test_the_tiny_example_trains_and_writes_a_loss_curve(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_check_mode_finds_the_pipeline_equal_to_the_sequential_loop(tmp_path):
+@pytest.mark.parametrize("as_module", [False, True], ids=["script", "module"])
+def test_check_mode_finds_the_pipeline_equal_to_the_sequential_loop(tmp_path, as_module):
     result = run_script("--tiny", "--check", "--steps", "6", "--devices", "cpu", "--ratio", "2:1",
-                        "--no-plot", "--out", str(tmp_path))
+                        "--no-plot", "--out", str(tmp_path), outside=tmp_path, as_module=as_module)
     assert "check passed: pipeline losses equal the sequential loop's exactly" in result.stdout
 
 
@@ -243,7 +250,8 @@ def test_check_mode_finds_the_pipeline_equal_to_the_sequential_loop(tmp_path):
 def test_torchrun_trains_one_ddp_drafter_across_two_processes(tmp_path):
     steps, world = 4, 2
     run_script("--tiny", "--steps", str(steps), "--devices", "cpu", "--no-plot",
-               "--out", str(tmp_path), "--save-drafter", str(tmp_path / "drafter.pt"), nproc=world)
+               "--out", str(tmp_path), "--save-drafter", str(tmp_path / "drafter.pt"), nproc=world,
+               outside=tmp_path)
     names = ("summary.json", "summary.rank1.json")
     ranks = [json.loads((tmp_path / name).read_text()) for name in names]
     assert [r["world"] for r in ranks] == [world, world]

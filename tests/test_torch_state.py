@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-import textwrap
 import threading
 
 import pytest
@@ -110,45 +109,8 @@ def test_the_python_fallback_carries_the_same_state():
     assert run.returncode == 0, run.stdout + run.stderr
 
 
-# Eight lanes start together; all but the first wait until torch's import has begun (on
-# the first), so every lane's first torch task, `import torch`, starts while another
-# lane is still importing it. The main thread submits then too and never imports torch.
-FIRST_TORCH_TASKS = textwrap.dedent("""
-    import concurrent.futures, sys, threading, time
-    import pydflash
-
-    LANES = 8
-    started = threading.Barrier(LANES)
-
-    def wait_for_an_import(index):
-        started.wait()
-        while index and "torch" not in sys.modules:
-            time.sleep(0.0001)
-
-    def first_torch_task():
-        import torch
-        return int(torch.ones(2).sum())
-
-    with pydflash.Dispatcher(["cpu"] * LANES) as d:
-        assert "torch" not in sys.modules
-        futures = []
-        for index, lane in enumerate(d.lanes):
-            lane.submit(wait_for_an_import, index)
-            futures.append(lane.submit(first_torch_task))
-        while "torch" not in sys.modules:
-            time.sleep(0.0001)
-        try:  # the submit reads the caller's torch state
-            futures.append(d.submit(first_torch_task))
-        except Exception as e:
-            futures.append(concurrent.futures.Future())
-            futures[-1].set_exception(e)
-        outcomes = [f.exception() or f.result() for f in futures]
-    print([o if o == 2 else repr(o) for o in outcomes])
-""")
-
-
 @pytest.mark.parametrize("run", range(3))
-def test_lanes_importing_torch_at_once(run, run_python):
-    out = run_python(FIRST_TORCH_TASKS)
+def test_lanes_importing_torch_at_once(run, run_child_script):
+    out = run_child_script("first_torch_tasks.py")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str([2] * 9)

@@ -1,4 +1,5 @@
-// _C.Lane and _C.submit: thin wrappers; the Executor API is pydflash/lane.py.
+// _C.Lane, _C.Submitter (the native submit) and _C.torch_state_reader: thin wrappers; the
+// Executor API is pydflash/lane.py.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
