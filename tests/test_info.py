@@ -39,3 +39,9 @@ def test_no_cuda_driver_is_named_as_such(python_subprocess_env):
     assert reason.startswith("no CUDA driver was found: libcuda.so.1"), reason
     # What the bench's header prints (bench.run.machine).
     assert pydflash.build_info()["devices_unavailable_because"] == reason
+
+
+def test_build_info_names_the_native_version():
+    import pydflash
+
+    assert pydflash.build_info()["native_version"] == pydflash._C.__version__ == pydflash.__version__
