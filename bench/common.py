@@ -160,3 +160,19 @@ def interleaved_medians(
 
 def check(ratio: float, bound: float) -> bool:
     return ratio <= bound
+
+
+def counts_arg(what: str, example: str) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type for comma-separated positive counts, e.g. counts_arg("lane", "1,2,4")."""
+    import argparse
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            counts = tuple(int(n) for n in text.split(","))
+        except ValueError:
+            counts = ()
+        if not counts or min(counts) < 1:
+            raise argparse.ArgumentTypeError(f"expected {what} counts like {example}, got {text!r}")
+        return counts
+
+    return parse

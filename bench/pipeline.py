@@ -160,32 +160,49 @@ def stage_times(setup: Setup, ctx: Context) -> dict[str, float]:
             futures[-1].result()
             synchronize(setup)
 
-        def drafter_step() -> None:
-            def train() -> None:
-                for x in inputs:
-                    with torch.autograd.set_multithreading_enabled(False):  # as the pipeline
-                        (drafter_loss(drafter, x) / job.accumulate).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            drafter_lane.submit(train).result()
-            synchronize(setup)
-
-        result = {}
-        for name, fn in (("target", target_step), ("drafter", drafter_step)):
-            ctx.progress(f"pipeline: {name} stage alone")
-            for _ in range(setup.warmup):
-                fn()
-            samples = []
-            for _ in range(setup.reps):
-                start = time.perf_counter()
-                for _ in range(setup.steps):
-                    fn()
-                samples.append((time.perf_counter() - start) / setup.steps)
-            result[name] = statistics.median(samples)
-        return result
+        drafter_step = drafter_stage(setup, drafter_lane, drafter, optimizer, inputs)
+        return time_stages(setup, {"target": target_step, "drafter": drafter_step},
+                           lambda name: ctx.progress(f"pipeline: {name} stage alone"))
     finally:
         dispatcher.shutdown()
+
+
+def drafter_stage(setup: Setup, lane: Any, drafter: Any, optimizer: Any,
+                  inputs: list[dict]) -> Callable[[], None]:
+    """One step of the drafter stage alone, as the pipeline runs it on `lane`: a
+    forward/backward pass per input (already on the drafter's device), then the
+    optimizer step."""
+
+    def train() -> None:
+        for x in inputs:
+            with torch.autograd.set_multithreading_enabled(False):  # as the pipeline
+                (drafter_loss(drafter, x) / setup.job.accumulate).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def step() -> None:
+        lane.submit(train).result()
+        synchronize(setup)
+
+    return step
+
+
+def time_stages(setup: Setup, stages: dict[str, Callable[[], None]],
+                announce: Callable[[str], None] = lambda name: None) -> dict[str, float]:
+    """Median seconds per step of each stage, after `setup.warmup` untimed steps."""
+    result = {}
+    for name, step in stages.items():
+        announce(name)
+        for _ in range(setup.warmup):
+            step()
+        samples = []
+        for _ in range(setup.reps):
+            start = time.perf_counter()
+            for _ in range(setup.steps):
+                step()
+            samples.append((time.perf_counter() - start) / setup.steps)
+        result[name] = statistics.median(samples)
+    return result
 
 
 def memory_by_depth(setup: Setup, ctx: Context) -> list[dict[str, Any]]:

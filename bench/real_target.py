@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from bench.common import Context, Row, compare, interleaved_medians, not_run
+from bench.common import Context, Row, compare, counts_arg, interleaved_medians, not_run
 from bench.pipeline import Setup, step_time
 from examples.dflash.data import MarkovTokens
 from examples.dflash.hf import HFTargetConfig
@@ -472,14 +472,7 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
-def _counts(text: str) -> tuple[int, ...]:
-    try:
-        counts = tuple(int(n) for n in text.split(","))
-    except ValueError:
-        counts = ()
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"expected lane counts like 1,2,4, got {text!r}")
-    return counts
+_counts = counts_arg("lane", "1,2,4")
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:

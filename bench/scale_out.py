@@ -47,8 +47,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from bench.common import Context, Row, compare, interleaved_medians, not_run
-from bench.pipeline import Setup, synchronize
+from bench.common import Context, Row, compare, counts_arg, interleaved_medians, not_run
+from bench.pipeline import Setup, drafter_stage, synchronize, time_stages
 from bench.real_target import CPU_SIZE, NEEDS_GPU
 from examples.dflash.data import MarkovTokens
 from examples.dflash.hf import QWEN3_NEXT, HFTargetConfig
@@ -57,7 +57,6 @@ from examples.dflash.loops import (
     PipelineLoop,
     Placement,
     build_models,
-    drafter_loss,
     target_dtype,
     target_forward,
 )
@@ -521,40 +520,12 @@ def stages_alone(loop: PipelineLoop, models: Any, setup: Setup) -> dict[str, flo
         synchronize(setup)
         release(results)
 
-    def drafter_step() -> None:
-        def train() -> None:
-            for x in inputs:
-                with torch.autograd.set_multithreading_enabled(False):  # as the pipeline
-                    (drafter_loss(drafter, x) / job.accumulate).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        drafter_lane.submit(train).result()
-        synchronize(setup)
-
-    out = {}
-    for name, fn in (("target", target_step), ("drafter", drafter_step)):
-        for _ in range(setup.warmup):
-            fn()
-        samples = []
-        for _ in range(setup.reps):
-            start = time.perf_counter()
-            for _ in range(setup.steps):
-                fn()
-            samples.append((time.perf_counter() - start) / setup.steps)
-        out[name] = statistics.median(samples)
-    return out
+    drafter_step = drafter_stage(setup, drafter_lane, drafter, optimizer, inputs)
+    return time_stages(setup, {"target": target_step, "drafter": drafter_step})
 
 
 # --- command line ----------------------------------------------------------------------------
-def _counts(text: str) -> tuple[int, ...]:
-    try:
-        counts = tuple(int(n) for n in text.split(","))
-    except ValueError:
-        counts = ()
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"expected GPU counts like 1,2,4,8, got {text!r}")
-    return counts
+_counts = counts_arg("GPU", "1,2,4,8")
 
 
 def _ratios(text: str) -> tuple[str, ...]:

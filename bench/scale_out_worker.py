@@ -32,6 +32,7 @@ if not __package__:
 import torch
 import torch.distributed as dist
 
+from bench.common import counts_arg
 from examples.dflash.data import MarkovTokens
 from examples.dflash.hf import QWEN3_NEXT, HFTargetConfig
 from examples.dflash.loops import target_dtype, target_forward
@@ -54,14 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _counts(text: str) -> tuple[int, ...]:
-    try:
-        counts = tuple(int(n) for n in text.split(","))
-    except ValueError:
-        counts = ()
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"expected process counts like 1,2,4, got {text!r}")
-    return counts
+_counts = counts_arg("process", "1,2,4")
 
 
 def main(argv: list[str] | None = None) -> int:
