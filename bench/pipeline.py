@@ -86,25 +86,29 @@ def synchronize(setup: Setup) -> None:
             torch.cuda.synchronize(device)
 
 
-def step_time(setup: Setup, make_steps: Callable[[list[dict], int], Iterator[Any]]) -> float:
+def step_time(setup: Setup, make_steps: Callable[[list[dict], int], Iterator[Any]], *,
+              run_ahead: bool = False) -> float:
     """Median over repetitions of (wall time of `steps` steps) / steps, in seconds, after
-    `warmup` steps. Each repetition runs on data it has not seen."""
-    per_run = setup.warmup + setup.steps
+    `warmup` steps. Each repetition runs on data it has not seen. With run_ahead (a loop
+    that keeps microbatches of the next step in flight), the loop gets one step more than
+    is timed, so that the window ends as it starts; that step's queued work is cancelled."""
+    per_run = setup.warmup + setup.steps + run_ahead
     size = per_run * setup.job.accumulate
     batches = setup.batches(size * setup.reps)
     samples = []
     for rep in range(setup.reps):
-        chunk = batches[rep * size : (rep + 1) * size]
-        steps = make_steps(chunk, per_run)
-        for _ in range(setup.warmup):
-            next(steps)
-        synchronize(setup)
-        start = time.perf_counter()
-        for _ in range(setup.steps):
-            next(steps)
-        synchronize(setup)
-        samples.append((time.perf_counter() - start) / setup.steps)
-        steps.close()
+        steps = make_steps(batches[rep * size : (rep + 1) * size], per_run)
+        try:
+            for _ in range(setup.warmup):
+                next(steps)
+            synchronize(setup)
+            start = time.perf_counter()
+            for _ in range(setup.steps):
+                next(steps)
+            synchronize(setup)
+            samples.append((time.perf_counter() - start) / setup.steps)
+        finally:
+            steps.close()
     return statistics.median(samples)
 
 

@@ -43,12 +43,12 @@ import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 from bench.common import Context, Row, compare, counts_arg, interleaved_medians, not_run
-from bench.pipeline import Setup, drafter_stage, synchronize, time_stages
+from bench.pipeline import Setup, drafter_stage, step_time, synchronize, time_stages
 from bench.real_target import CPU_SIZE, NEEDS_GPU
 from examples.dflash.data import MarkovTokens
 from examples.dflash.hf import QWEN3_NEXT, HFTargetConfig
@@ -424,7 +424,7 @@ def pipeline_figures(ctx: Context, options: Options, setting: Setting, placement
     try:
         ctx.progress(f"{name}: capturing, then the pipeline")
         loop.warm_up(setup.batches(1)[0])
-        step = steady_step_time(setup, loop.steps)
+        step = step_time(setup, loop.steps, run_ahead=True)
         ctx.progress(f"{name}: each stage alone")
         stages = stages_alone(loop, models, setup)
         stats = loop.graph_stats()
@@ -444,31 +444,6 @@ def pipeline_figures(ctx: Context, options: Options, setting: Setting, placement
     return compare(SECTION, name, step * 1e3, "ms", f"{slower} stage alone", stages[slower] * 1e3,
                    OVERLAP_GOAL, note, target_stage_ms=stages["target"] * 1e3,
                    drafter_stage_ms=stages["drafter"] * 1e3, peer_access=peer, graphs=stats)
-
-
-def steady_step_time(setup: Setup, make_steps: Callable[[list[dict], int], Iterator[Any]]) -> float:
-    """bench.pipeline.step_time for a loop that runs ahead: median over repetitions of
-    (wall time of `steps` steps) / steps after `warmup` steps, each repetition on data it
-    has not seen. The loop gets one step more than is timed, so that the window ends as
-    it starts, with up to `depth` microbatches of the next step in flight."""
-    per_run = setup.warmup + setup.steps + 1
-    size = per_run * setup.job.accumulate
-    batches = setup.batches(size * setup.reps)
-    samples = []
-    for rep in range(setup.reps):
-        steps = make_steps(batches[rep * size : (rep + 1) * size], per_run)
-        try:
-            for _ in range(setup.warmup):
-                next(steps)
-            synchronize(setup)
-            start = time.perf_counter()
-            for _ in range(setup.steps):
-                next(steps)
-            synchronize(setup)
-            samples.append((time.perf_counter() - start) / setup.steps)
-        finally:
-            steps.close()  # the untimed step: its queued work is cancelled
-    return statistics.median(samples)
 
 
 def peer_access(placement: Placement) -> bool | None:
