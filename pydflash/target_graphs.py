@@ -391,15 +391,15 @@ class TargetGraphs(TargetStage):
             key = (bucket, spec, _signature(leaves))
             if key in state.eager:
                 return self._eager(state, batch, *state.eager[key])
-            padded = [_pad(x, bucket, pad) for x, pad in zip(leaves, pads)]
             if not lane.is_gpu:
-                out = self.fn(pytree.tree_unflatten(padded, spec))
+                out = self.fn(pytree.tree_unflatten(self._padded(leaves, pads, bucket), spec))
                 out_leaves, out_spec = pytree.tree_flatten(out)
                 cut = [_cut(x, _cut_kind(x, bucket), b, t) for x in out_leaves]
                 return pytree.tree_unflatten(
                     [x.clone() if isinstance(x, torch.Tensor) else x for x in cut], out_spec)
             graph = state.graphs.get(key)
             if graph is None:
+                padded = self._padded(leaves, pads, bucket)
                 graph = self._capture(state, lane, key, bucket, padded, spec)
                 if graph is None:
                     return self._eager(state, batch, *state.eager[key])
@@ -411,6 +411,12 @@ class TargetGraphs(TargetStage):
             graph.graph.replay()
             state.replays += 1
             return self._copy_out(state, graph, b, t)
+
+    @staticmethod
+    def _padded(leaves: list[Any], pads: list[float], bucket: Bucket) -> list[Any]:
+        # A replay copies straight into the graph's static inputs: only the CPU path and
+        # a capture need a padded copy of their own.
+        return [_pad(x, bucket, pad) for x, pad in zip(leaves, pads)]
 
     def _copy_out(self, state: _LaneGraphs, graph: _Graph, b: int, t: int) -> Any:
         cut = [_cut(x, kind, b, t) for x, kind in zip(graph.static_outputs, graph.out_cuts)]
