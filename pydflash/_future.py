@@ -15,7 +15,6 @@ import concurrent.futures._base as _base
 from typing import TYPE_CHECKING, Any, Callable
 
 from ._native import C
-from .errors import CudaError, PydflashError
 
 if TYPE_CHECKING:
     from .lane import Lane
@@ -23,7 +22,6 @@ if TYPE_CHECKING:
 _CANCELLED = 2
 _FINISHED = 3
 _STATE_NAMES = ("pending", "running", "cancelled", "finished")  # by _status
-_NATIVE_ERRORS = {1: CudaError, 2: PydflashError}
 
 
 class Future(C.FutureBase, concurrent.futures.Future):
@@ -39,9 +37,11 @@ class Future(C.FutureBase, concurrent.futures.Future):
             _base.LOGGER.exception("exception calling callback for %r", self)
 
     def _failure(self) -> BaseException | None:
-        if self._exception is None and self._native_error is not None:
-            kind, message = self._native_error
-            self._exception = _NATIVE_ERRORS.get(kind, PydflashError)(message)
+        if self._exception is None:
+            # A graph launch fails natively, as a typed C++ error (csrc/python/bind_errors.cpp).
+            failure = self._native_failure
+            if failure is not None:
+                self._exception = failure
         return self._exception
 
     def _raise_failure(self) -> None:

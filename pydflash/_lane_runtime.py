@@ -2,7 +2,8 @@
 
 Torch keeps the current device and stream per thread, and Triton its allocator: a
 native worker starts with none of them. Other parts of pydflash (the Triton guard)
-register hooks here to run on each worker thread.
+register hooks here to run on each worker thread. Step 1 of Note [Lane stream
+selection] in csrc/python/torch_abi.cpp; the worker keeps the stream current after it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The caller's thread-local torch state, carried into a lane's task.
 
-Grad mode travels natively on every submit (csrc/python/lane_runtime.cpp). Inference
+Grad mode travels natively on every submit (csrc/python/torch_abi.cpp). Inference
 mode and autocast are rarer and have more to them (dtype per device type, the cache
 flag), so when either is on the native side calls `capture()` at submit and
 `call_in_state()` on the worker.

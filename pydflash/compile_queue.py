@@ -111,9 +111,8 @@ def in_flight() -> list[dict[str, Any]]:
 
 
 def set_timeout(seconds: float | None) -> None:
-    """Default wait limit for `run`, in seconds; None waits forever."""
-    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))):
-        raise TypeError(f"expected seconds as a number or None, got {type(seconds).__name__}")
+    """Default wait limit for `run`, in seconds; None waits forever, and 0 or less does
+    not wait (Note [One timeout rule] in csrc/python/timeout.h)."""
     C.compile_queue_set_timeout(seconds)
 
 

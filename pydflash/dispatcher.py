@@ -61,10 +61,9 @@ class Dispatcher(concurrent.futures.Executor):
         self._lanes = [Lane(i, d, spin_us=spin_us) for i, d in enumerate(parsed)]
         if trace:
             self.set_tracing(True)
-        # The hot path: a native callable picks the least-busy lane (csrc/python/bind_lane.cpp).
-        self.submit = C.Submitter(
-            tuple(lane._native for lane in self._lanes), tuple(self._lanes), repr(self)
-        )
+        # The hot path: a native callable picks the least-busy lane
+        # (csrc/python/bind_lane.cpp). Built once; it shadows the method below.
+        self.submit = self._submitter = C.Submitter(tuple(self._lanes), repr(self))
         _exit.track(self._lanes)  # queued work runs before the interpreter exits
         # Dropped without shutdown: let queued work finish, then let the workers go.
         weakref.finalize(self, _shutdown_lanes, list(self._lanes), False, False)
@@ -90,9 +89,9 @@ class Dispatcher(concurrent.futures.Executor):
     # --- Executor ---------------------------------------------------------------------
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         """Runs fn(*args, **kwargs) on the least-busy lane (fewest tasks queued, running
-        or on the GPU). (Replaced per instance by the native submit.)"""
-        natives = tuple(lane._native for lane in self._lanes)
-        return C.Submitter(natives, tuple(self._lanes), repr(self))(fn, *args, **kwargs)
+        or on the GPU). Each instance's native submitter shadows this method; it is
+        reached only as Dispatcher.submit(dispatcher, ...)."""
+        return self._submitter(fn, *args, **kwargs)
 
     def warmup(self, fn: Callable[..., Any], inputs_per_lane: Iterable[tuple | None]) -> list[Any]:
         """Runs fn(*inputs) on every lane at once, with every guard on, so that the

@@ -24,7 +24,8 @@ class Lane(concurrent.futures.Executor):
         self._native = C.Lane(index, device, f"lane {index} ({describe(device)})", Future, spin_us)
         self._torch_streams: tuple[Any, Any] | None = None
         # The hot path: a native callable, no Python frame (csrc/python/bind_lane.cpp).
-        self.submit = C.Submitter((self._native,), (self,), repr(self))
+        # Built once; it shadows the method below.
+        self.submit = self._submitter = C.Submitter((self,), repr(self))
 
     # --- identity -------------------------------------------------------------------
     @property
@@ -83,9 +84,9 @@ class Lane(concurrent.futures.Executor):
 
     # --- Executor -------------------------------------------------------------------
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        """Queues fn(*args, **kwargs) on this lane. (Replaced per instance by the
-        native submit; kept for the signature and docs.)"""
-        return C.Submitter((self._native,), (self,), repr(self))(fn, *args, **kwargs)
+        """Queues fn(*args, **kwargs) on this lane. Each instance's native submitter
+        shadows this method; it is reached only as Lane.submit(lane, ...)."""
+        return self._submitter(fn, *args, **kwargs)
 
     def submit_graph(self, graph: Any) -> Future:
         """Launches a captured CUDA graph from the native worker without the GIL. The

@@ -20,7 +20,9 @@ def wait_all(
     If any task raised or was cancelled, raises an ExceptionGroup of all of them (in
     order) once every future is done; each carries a note naming the lane it ran on.
     Raises TimeoutError, naming the lanes still busy, when they are not all done
-    within `timeout` seconds. Ctrl-C interrupts the wait.
+    within `timeout` seconds; None waits forever, and 0 or less does not wait, as in
+    concurrent.futures (Note [One timeout rule] in csrc/python/timeout.h). Ctrl-C
+    interrupts the wait.
     """
     futures = list(futures)
     for i, future in enumerate(futures):
@@ -29,10 +31,10 @@ def wait_all(
                 f"expected concurrent.futures.Future objects, got {type(future).__name__} "
                 f"at index {i}"
             )
-    if timeout is not None and not timeout >= 0:
-        raise ValueError(f"expected timeout >= 0 or None, got {timeout!r}")
+    if timeout is not None and not isinstance(timeout, (int, float)):
+        raise TypeError(f"expected a timeout in seconds or None, got {type(timeout).__name__}")
 
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = None if timeout is None else time.monotonic() + (timeout if timeout > 0 else 0.0)
     for future in futures:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:

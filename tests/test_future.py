@@ -431,3 +431,43 @@ def test_a_future_finishing_while_the_wait_checks_it_counts_once(how: str) -> No
     finally:
         sys.setswitchinterval(interval)
         d.shutdown()
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan")])
+def test_a_timeout_not_above_zero_does_not_wait_anywhere(executor, timeout) -> None:
+    # Note [One timeout rule]: what concurrent.futures does with such a timeout, every
+    # wait of pydflash does, over its own futures and over the stdlib's. (The stdlib's
+    # wait and as_completed are left out for NaN: they read it as "until done".)
+    from pydflash import compile_queue
+
+    gate = threading.Event()
+    blocked = executor.submit(gate.wait, 30)
+    holding = threading.Event()
+    holder = threading.Thread(
+        target=compile_queue.run, args=("held", lambda: holding.set() or gate.wait(30))
+    )
+    holder.start()
+    try:
+        assert holding.wait(10)
+        start = time.monotonic()
+        waits = [
+            blocked.result,
+            blocked.exception,
+            lambda timeout: pydflash.wait_all([blocked], timeout=timeout),
+            lambda timeout: compile_queue.run("held", lambda: None, timeout=timeout),
+        ]
+        if timeout == timeout:  # not NaN
+            waits.append(lambda timeout: next(cf.as_completed([blocked], timeout=timeout)))
+            assert cf.wait([blocked], timeout=timeout).not_done == {blocked}
+        for wait in waits:
+            with pytest.raises(TimeoutError):
+                wait(timeout=timeout)
+        assert time.monotonic() - start < 5
+        with pytest.raises(TypeError):
+            blocked.result(timeout="1")
+        with pytest.raises(TypeError, match="expected a timeout in seconds or None, got str"):
+            pydflash.wait_all([blocked], timeout="1")
+    finally:
+        gate.set()
+        holder.join()
+    assert blocked.result(10) is True

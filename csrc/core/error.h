@@ -32,10 +32,6 @@ struct StateError : Error {
 struct TimeoutError : Error {
   using Error::Error;
 };
-/// A queued task was cancelled: becomes concurrent.futures.CancelledError.
-struct CancelledError : Error {
-  using Error::Error;
-};
 /// A CUDA runtime call failed: becomes pydflash.CudaError.
 struct CudaError : Error {
   using Error::Error;

@@ -6,8 +6,13 @@
 #include "core/clock.h"
 #include "core/error.h"
 #include "core/event_pool.h"
+#include "core/fork.h"
 
 namespace pydflash {
+
+FutureState::FutureState(uint64_t id) : id_(id), fork_generation_(fork_generation()) {}
+
+bool FutureState::made_before_fork() const { return fork_generation() != fork_generation_; }
 
 FutureState::~FutureState() {
   if (event_ != nullptr) event_pool::give(event_device_, event_);
@@ -49,8 +54,6 @@ bool FutureState::try_cancel() {
   return true;
 }
 
-bool FutureState::cancel() { return try_cancel() || status() == FutureStatus::Cancelled; }
-
 bool FutureState::finish() {
   uint32_t before = 0;
   PYDFLASH_INTERNAL_ASSERT(transition(FutureStatus::Running, FutureStatus::Finished, &before));
@@ -63,11 +66,6 @@ void FutureState::mark_observed() {
   while (!word_.compare_exchange_weak(word, word | kObserved | (is_done(word) ? kNotified : 0),
                                       std::memory_order_seq_cst)) {
   }
-}
-
-void FutureState::set_native_error(NativeError kind, std::string message) {
-  native_error_ = kind;
-  native_error_message_ = std::move(message);
 }
 
 void FutureState::publish() {

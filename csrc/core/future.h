@@ -1,4 +1,4 @@
-// The native half of a pydflash future: its state machine, the wait, and what a
+// The native half of a pydflash future: its state machine, the wait, and the error a
 // task that ran without the interpreter left behind. Results of Python tasks live
 // in the Python object (pydflash/_future.py); see Note [Observed futures].
 #pragma once
@@ -6,21 +6,18 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <string>
 
 namespace pydflash {
 
 enum class FutureStatus : int { Pending = 0, Running = 1, Cancelled = 2, Finished = 3 };
 
-/// Kind of error left by a task that ran without the interpreter (graph launches).
-enum class NativeError : int { None = 0, Cuda = 1, Runtime = 2 };
-
 class FutureState {
  public:
-  explicit FutureState(uint64_t id) : id_(id) {}
+  explicit FutureState(uint64_t id);
   ~FutureState();
   FutureState(const FutureState&) = delete;
   FutureState& operator=(const FutureState&) = delete;
@@ -31,16 +28,20 @@ class FutureState {
 
   /// Pending -> Running. False when the task was cancelled first.
   bool try_start();
-  /// Pending -> Cancelled. True when cancelled now or before; false once running or done.
-  bool cancel();
   /// Pending -> Cancelled by this call: true for exactly one caller, which is the one
   /// that notifies observers (a second notification would count a waiter down twice).
   bool try_cancel();
   /// Running -> Finished. Returns whether an observer must be notified afterwards.
   /// See Note [Finish, then publish].
   bool finish();
-  /// Records an error that carries no Python object; the task still finishes normally.
-  void set_native_error(NativeError kind, std::string message);
+  /// Records the failure of a task that ran without the interpreter, as one of the
+  /// typed errors of core/error.h (the binding layer maps it, as it maps every other);
+  /// the task still finishes normally. Set before finish(), read after done().
+  void set_error(std::exception_ptr error) { error_ = std::move(error); }
+  const std::exception_ptr& error() const { return error_; }
+
+  /// Made before a fork, in the parent: no worker of this process will finish it.
+  bool made_before_fork() const;
   /// Wakes wait(). Called after finish() or cancel().
   void publish();
 
@@ -82,9 +83,6 @@ class FutureState {
   /// Done, and its observers (if any) told. The notifier calls mark_notified().
   bool settled() const { return is_settled(word_.load(std::memory_order_seq_cst)); }
   void mark_notified() { word_.fetch_or(kNotified, std::memory_order_seq_cst); }
-
-  NativeError native_error() const { return native_error_; }
-  const std::string& native_error_message() const { return native_error_message_; }
 
   /// CUDA event recorded on the lane's stream after the task (null on CPU lanes, and
   /// while deferred); it goes back to its device's pool with the future.
@@ -130,14 +128,14 @@ class FutureState {
   bool transition(FutureStatus from, FutureStatus to, uint32_t* before = nullptr);
 
   const uint64_t id_;
+  const int fork_generation_;
   std::atomic<uint32_t> word_{static_cast<uint32_t>(FutureStatus::Pending)};
   std::atomic<bool> published_{false};
   const std::atomic<bool>* producer_in_interpreter_ = nullptr;
   std::atomic<int> sleepers_{0};
   std::mutex mutex_;
   std::condition_variable cv_;
-  NativeError native_error_ = NativeError::None;
-  std::string native_error_message_;
+  std::exception_ptr error_;
   void* event_ = nullptr;
   int event_device_ = -1;
   void* deferred_stream_ = nullptr;

@@ -1,6 +1,5 @@
 #include "core/lane.h"
 
-#include <pthread.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,23 +8,12 @@
 #include "core/clock.h"
 #include "core/error.h"
 #include "core/event_pool.h"
+#include "core/fork.h"
 #include "cuda/device_api.h"
 
 namespace pydflash {
 
 namespace {
-
-// Bumped in every forked child. getpid() is a system call, too slow for each submit.
-std::atomic<int> fork_generation{0};
-
-int current_fork_generation() {
-  static const bool registered = [] {
-    pthread_atfork(nullptr, nullptr, [] { fork_generation.fetch_add(1); });
-    return true;
-  }();
-  (void)registered;
-  return fork_generation.load(std::memory_order_relaxed);
-}
 
 // For counters only the worker writes: a plain load and store instead of a locked
 // read-modify-write, which readers on other threads still see whole. Release: see load().
@@ -68,7 +56,7 @@ Lane::Lane(int index, int device, std::shared_ptr<Interpreter> interpreter, Lane
     : index_(index),
       device_(device),
       owner_pid_(static_cast<int>(getpid())),
-      fork_generation_(current_fork_generation()),
+      fork_generation_(fork_generation()),
       interpreter_(std::move(interpreter)),
       options_(options),
       in_interpreter_(in_interpreter_flag()) {
@@ -108,7 +96,7 @@ Lane::~Lane() {
   give_back_events();
 }
 
-bool Lane::forked() const { return current_fork_generation() != fork_generation_; }
+bool Lane::forked() const { return fork_generation() != fork_generation_; }
 
 void Lane::start() {
   PYDFLASH_INTERNAL_ASSERT(thread_ == nullptr);

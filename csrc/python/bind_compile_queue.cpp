@@ -4,6 +4,7 @@
 
 #include "core/compile_queue.h"
 #include "python/bindings.h"
+#include "python/timeout.h"
 
 namespace py = pybind11;
 
@@ -40,10 +41,10 @@ struct PythonError : std::exception {
   throw py::error_already_set();
 }
 
+// Note [One timeout rule]; None is -1, which `run` reads as the default.
 double timeout_seconds(const py::object& timeout) {
-  if (timeout.is_none()) return -1.0;
-  const double t = timeout.cast<double>();
-  PYDFLASH_CHECK_VALUE(t >= 0, "expected a timeout >= 0 seconds or None, got ", t);
+  const double t = parse_timeout(timeout.ptr());
+  if (t == -2.0) throw py::error_already_set();
   return t;
 }
 

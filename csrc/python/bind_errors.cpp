@@ -35,8 +35,6 @@ void set_python_error(std::exception_ptr p) {
     set_error_from_module("pydflash.errors", "CompileQueueTimeout", e.what());
   } catch (const TimeoutError& e) {
     PyErr_SetString(PyExc_TimeoutError, e.what());
-  } catch (const CancelledError& e) {
-    set_error_from_module("concurrent.futures", "CancelledError", e.what());
   } catch (const CudaError& e) {
     set_error_from_module("pydflash.errors", "CudaError", e.what());
   } catch (const InternalError& e) {
@@ -48,6 +46,16 @@ void set_python_error(std::exception_ptr p) {
   } catch (...) {
     PyErr_SetString(PyExc_RuntimeError, "unknown C++ exception");
   }
+}
+
+PyObject* python_error(std::exception_ptr p) {
+  set_python_error(std::move(p));
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  PyErr_NormalizeException(&type, &value, &tb);
+  Py_XDECREF(type);
+  Py_XDECREF(tb);
+  return value;
 }
 
 void init_errors(py::module_&) {

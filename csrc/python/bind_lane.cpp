@@ -9,7 +9,10 @@
 #include "python/bindings.h"
 #include "python/future_object.h"
 #include "python/lane_runtime.h"
+#include "python/tasks.h"
+#include "python/torch_abi.h"
 #include "python/stdlib_waiters.h"
+#include "python/timeout.h"
 
 namespace py = pybind11;
 
@@ -65,10 +68,10 @@ Py_ssize_t least_busy(const std::vector<PyLane*>& lanes, bool open_only) {
   return best;
 }
 
-// _C.Submitter(native_lanes, owners): the hot path of Lane.submit (one lane) and
-// Dispatcher.submit (the least busy of several). A vectorcall object that holds its
-// lanes' native pointers, so a submit runs no Python frame, no argument re-packing
-// and no pybind11 cast.
+// _C.Submitter(lanes, name): the hot path of Lane.submit (one lane) and
+// Dispatcher.submit (the least busy of several), built once per lane or dispatcher. A
+// vectorcall object that holds its lanes' native pointers, so a submit runs no Python
+// frame, no argument re-packing and no pybind11 cast.
 struct Submitter {
   PyObject_HEAD
   vectorcallfunc vectorcall;
@@ -105,22 +108,26 @@ PyObject* submit_with(PyObject* self, PyObject* const* args, size_t nargsf, PyOb
 }
 
 PyObject* submitter_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  PyObject *natives, *owners, *name;
-  static const char* names[] = {"native_lanes", "owners", "name", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!U:Submitter", const_cast<char**>(names),
-                                   &PyTuple_Type, &natives, &PyTuple_Type, &owners, &name))
+  PyObject *owners, *name;
+  static const char* names[] = {"lanes", "name", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!U:Submitter", const_cast<char**>(names),
+                                   &PyTuple_Type, &owners, &name))
     return nullptr;
-  if (PyTuple_GET_SIZE(natives) == 0 || PyTuple_GET_SIZE(natives) != PyTuple_GET_SIZE(owners)) {
-    PyErr_SetString(PyExc_ValueError, "expected one owner per native lane, and at least one lane");
+  const Py_ssize_t count = PyTuple_GET_SIZE(owners);
+  if (count == 0) {
+    PyErr_SetString(PyExc_ValueError, "expected at least one lane, got none");
     return nullptr;
   }
+  py::tuple natives(count);
   std::vector<PyLane*> lanes;
   try {
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(natives); ++i) {
-      py::handle native = PyTuple_GET_ITEM(natives, i);
-      PYDFLASH_CHECK_TYPE(py::isinstance<PyLane>(native), "expected pydflash._C.Lane objects, got ",
-                          Py_TYPE(native.ptr())->tp_name);
+    for (Py_ssize_t i = 0; i < count; ++i) {
+      py::handle owner = PyTuple_GET_ITEM(owners, i);
+      py::object native = py::getattr(owner, "_native", py::none());
+      PYDFLASH_CHECK_TYPE(py::isinstance<PyLane>(native), "expected pydflash.Lane objects, got ",
+                          Py_TYPE(owner.ptr())->tp_name);
       lanes.push_back(&native.cast<PyLane&>());
+      natives[i] = std::move(native);
     }
   } catch (...) {
     set_python_error(std::current_exception());
@@ -130,8 +137,7 @@ PyObject* submitter_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   if (s == nullptr) return nullptr;
   s->vectorcall = submit_with;
   new (&s->lanes) std::vector<PyLane*>(std::move(lanes));
-  Py_INCREF(natives);
-  s->natives = natives;
+  s->natives = natives.release().ptr();
   Py_INCREF(owners);
   s->owners = owners;
   Py_INCREF(name);
@@ -169,9 +175,8 @@ void add_submitter_type(PyObject* module) {
   SubmitterType.tp_basicsize = sizeof(Submitter);
   SubmitterType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL;
   SubmitterType.tp_doc =
-      "Submitter(native_lanes, owners, name)(fn, /, *args, **kwargs) -> Future: queues fn on "
-      "the lane (or, with several, the least busy open lane); after shutdown the error names "
-      "`name`.";
+      "Submitter(lanes, name)(fn, /, *args, **kwargs) -> Future: queues fn on the lane (or, "
+      "with several, the least busy open lane); after shutdown the error names `name`.";
   SubmitterType.tp_new = submitter_new;
   SubmitterType.tp_dealloc = submitter_dealloc;
   SubmitterType.tp_traverse = submitter_traverse;

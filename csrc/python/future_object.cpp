@@ -1,7 +1,6 @@
 #include "python/future_object.h"
 
 #include <pybind11/pybind11.h>
-#include <pthread.h>
 #include <structmember.h>
 #include <unistd.h>
 
@@ -12,6 +11,7 @@
 #include "python/future_lock.h"
 #include "python/lane_runtime.h"
 #include "python/stdlib_waiters.h"
+#include "python/timeout.h"
 
 namespace py = pybind11;
 
@@ -69,17 +69,14 @@ PyObject* no_new(PyTypeObject*, PyObject*, PyObject*) {
 
 
 // Note [Futures across fork]: a child forked while a task was queued has no worker to
-// run it, so waiting for it would never end. Set in the child by a fork handler; only
-// then is the future's lane asked whether it belongs to the parent.
-bool in_forked_child = false;
-
-// Sets RuntimeError and returns true when `f` waits for a lane of the parent process.
+// run it, so waiting for it would never end. Sets RuntimeError and returns true when
+// `f` waits for a lane of the parent process.
 bool orphaned_by_fork(FutureObject* f) {
+  if (!f->state().made_before_fork()) return false;
   try {
-    py::object native = py::handle(f->lane).attr("_native");
-    if (!native.attr("forked").cast<bool>()) return false;
     const std::string message =
-        "this future's task was queued on pydflash " + native.attr("label").cast<std::string>() +
+        "this future's task was queued on pydflash " +
+        py::handle(f->lane).attr("label").cast<std::string>() +
         " before a fork and cannot finish in the forked child (pid " + std::to_string(getpid()) +
         "); create a new Dispatcher in the child";
     PyErr_SetString(PyExc_RuntimeError, message.c_str());
@@ -93,7 +90,7 @@ bool orphaned_by_fork(FutureObject* f) {
 bool wait_or_raise(FutureObject* f, PyObject* timeout_arg) {
   const double timeout = parse_timeout(timeout_arg);
   if (timeout == -2.0) return false;
-  if (in_forked_child && orphaned_by_fork(f)) return false;
+  if (orphaned_by_fork(f)) return false;
   try {
     if (wait_interruptibly(f->state(), timeout)) return true;
   } catch (py::error_already_set& e) {
@@ -114,7 +111,7 @@ PyObject* result(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObje
   if (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) > 0) timeout = args[nargs];
   if (!f->state().done() && !wait_or_raise(f, timeout)) return nullptr;
   if (f->state().status() == FutureStatus::Finished && f->exception == nullptr &&
-      f->state().native_error() == NativeError::None) {
+      !f->state().error()) {
     PyObject* r = f->result ? f->result : Py_None;
     Py_INCREF(r);
     return r;
@@ -157,7 +154,7 @@ PyObject* get_condition(PyObject* self, void*) {
   auto* f = self_of(self);
   // A forked child must not wait on the parent's lanes: wait() and as_completed() take
   // `_condition` first, and would otherwise wait forever.
-  if (in_forked_child && !f->state().done() && orphaned_by_fork(f)) return nullptr;
+  if (!f->state().done() && orphaned_by_fork(f)) return nullptr;
   if (f->cond == nullptr) {
     PyObject* lock = new_future_lock(self);
     if (lock == nullptr) return nullptr;
@@ -196,10 +193,11 @@ PyObject* get_event(PyObject* self, void*) {
   return PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(event));
 }
 
-PyObject* get_native_error(PyObject* self, void*) {
-  const FutureState& s = self_of(self)->state();
-  if (s.native_error() == NativeError::None) Py_RETURN_NONE;
-  return Py_BuildValue("(is)", static_cast<int>(s.native_error()), s.native_error_message().c_str());
+// The failure a task that ran without the interpreter left, as a new Python exception.
+PyObject* get_native_failure(PyObject* self, void*) {
+  const std::exception_ptr& error = self_of(self)->state().error();
+  if (!error) Py_RETURN_NONE;
+  return python_error(error);
 }
 
 PyObject* get_waiters(PyObject* self, void*) {
@@ -232,7 +230,10 @@ PyGetSetDef getset[] = {
      "and while pending. A result that cannot hold a tensor gets its event when this is "
      "first read (Note [Deferred result events]).",
      nullptr},
-    {"_native_error", get_native_error, nullptr, nullptr, nullptr},
+    {"_native_failure", get_native_failure, nullptr,
+     "The failure a task that ran without the interpreter left (a graph launch), as the "
+     "exception bind_errors.cpp maps it to; None otherwise.",
+     nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 PyMemberDef members[] = {
@@ -259,7 +260,7 @@ void notify_future(PyObject* obj) {
     Outcome outcome = Outcome::Result;
     if (f->state().status() == FutureStatus::Cancelled) {
       outcome = Outcome::Cancelled;
-    } else if (f->exception != nullptr || f->state().native_error() != NativeError::None) {
+    } else if (f->exception != nullptr || f->state().error()) {
       outcome = Outcome::Exception;
     }
     // Waiters come and go only under the condition, which this thread holds.
@@ -280,13 +281,6 @@ void notify_future(PyObject* obj) {
     Py_XDECREF(r);
   }
   Py_XDECREF(callbacks);
-}
-
-double parse_timeout(PyObject* timeout) {
-  if (timeout == nullptr || timeout == Py_None) return -1.0;
-  const double t = PyFloat_AsDouble(timeout);
-  if (t == -1.0 && PyErr_Occurred()) return -2.0;
-  return t < 0 ? 0.0 : t;
 }
 
 bool wait_interruptibly(FutureState& state, double timeout_s) {
@@ -328,7 +322,6 @@ PyObject* new_future(PyObject* type, uint64_t id, PyObject* lane) {
 }
 
 void add_future_type(PyObject* module) {
-  pthread_atfork(nullptr, nullptr, [] { in_forked_child = true; });
   PyObject* base = PyImport_ImportModule("concurrent.futures._base");
   if (base == nullptr) throw py::error_already_set();
   const char* names[4] = {"PENDING", "RUNNING", "CANCELLED_AND_NOTIFIED", "FINISHED"};

@@ -44,10 +44,6 @@ FutureObject* as_future(PyObject* obj);
 /// Entered; errors raised by waiters or callbacks are reported as unraisable.
 void notify_future(PyObject* future);
 
-/// Seconds from a Python timeout: null or None is -1 (wait forever), a negative number
-/// is 0. Returns -2 with a Python error set when it is not a number.
-double parse_timeout(PyObject* timeout);
-
 /// Releases the GIL while waiting, checking for signals between slices; true when done.
 /// Throws pybind11::error_already_set when a signal handler raised.
 bool wait_interruptibly(FutureState& state, double timeout_s);

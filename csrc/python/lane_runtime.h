@@ -1,6 +1,7 @@
-// What a lane needs from Python: the GIL as its Interpreter, task bodies that call
-// Python callables (or launch captured graphs without the GIL), and the caller's
-// torch state carried into the task.
+// A lane's side of the GIL: the worker's Python thread state, entering and leaving the
+// interpreter (core/lane.h's Interpreter), and when to take the GIL so that the thread
+// that holds it is not made to wait. Task bodies are in python/tasks.h; torch's state
+// in python/torch_abi.h.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -10,6 +11,7 @@
 #include <string>
 
 #include "core/lane.h"
+#include "python/torch_abi.h"
 
 namespace pydflash::python {
 
@@ -52,26 +54,6 @@ class WaitingWithoutGil {
   }
 };
 
-/// c10::cuda::CUDAStream as returned by value: {Device{type, index}, StreamId}. Trivially
-/// copyable, so it comes back in two registers; LaneRuntime checks a reading against the
-/// stream it has just set before trusting the getter.
-struct CudaStreamAbi {
-  int8_t device_type;
-  int8_t device_index;
-  int64_t id;
-};
-
-/// The caller's thread-local torch state at submit, applied on the worker.
-struct TorchSnapshot {
-  bool captured = false;  // torch was imported at submit
-  bool grad = true;
-  // Inference mode or autocast on: rare, so carried as a Python tuple and applied by
-  // pydflash._torch_state.call_in_state.
-  pybind11::object special;
-
-  static TorchSnapshot capture();
-};
-
 /// Per-lane Python-side state; also the lane's Interpreter (the GIL). Touched only
 /// on the worker thread once the lane runs, except `label`.
 class LaneRuntime : public Interpreter {
@@ -85,8 +67,8 @@ class LaneRuntime : public Interpreter {
   void thread_exiting() override;
 
   /// Makes the lane's device and stream current for torch (once torch is imported)
-  /// before each task. Entered.
-  void prepare_task(Lane& lane);
+  /// before each task (Note [Lane stream selection]). Entered.
+  void prepare_task(const Lane& lane) { streams_.select(lane); }
 
   const std::string label;  // "lane 0 (cuda:1)", for errors and traces
   PyObject* future_type() const { return future_type_; }
@@ -95,34 +77,8 @@ class LaneRuntime : public Interpreter {
   PyInterpreterState* interp_;
   PyThreadState* tstate_ = nullptr;
   const Lane* lane_ = nullptr;  // set when the worker starts
-  PyObject* future_type_;          // owned; released entered
-  PyObject* set_stream_ = nullptr;  // owned: torch._C._cuda_setStream
-  PyObject* set_stream_args_ = nullptr;
-  bool torch_ready_ = false;
-  // Torch's current-stream getter, once a reading has matched (trust_stream_reading),
-  // and the lane stream's torch id.
-  CudaStreamAbi (*current_cuda_stream_)(int8_t) = nullptr;
-  int64_t lane_stream_id_ = 0;
-
-  void trust_stream_reading(const Lane& lane);
-  bool lane_stream_is_current(const Lane& lane) const;
+  PyObject* future_type_;  // owned; released entered
+  LaneStreamSelection streams_;
 };
-
-/// Creates the Python future for task `id` of `lane` (the future type's constructor).
-pybind11::object make_python_future(LaneRuntime& rt, uint64_t id, pybind11::handle lane);
-
-// Task bodies refer to their lane's runtime without owning it: the lane owns it and
-// outlives every task it queues, and an atomic reference count per task is a cache
-// line shared by the submitting thread and the worker.
-std::unique_ptr<TaskBody> make_python_task(LaneRuntime& rt, pybind11::object fn,
-                                           pybind11::tuple args, pybind11::object kwargs,
-                                           pybind11::object future, bool tracing);
-
-std::unique_ptr<TaskBody> make_graph_task(LaneRuntime& rt, uintptr_t graph_exec,
-                                          pybind11::object keepalive, pybind11::object future);
-
-/// How the caller's torch state is read and set: "native" (Note [Torch state without
-/// Python calls]), "python", or null before torch is imported. Entered.
-const char* torch_state_reader();
 
 }  // namespace pydflash::python

@@ -10,13 +10,14 @@ using namespace pydflash;
 
 TEST_CASE("future: cancel only while pending") {
   FutureState f(1);
-  CHECK(f.cancel());
-  CHECK(f.cancel());  // idempotent
+  CHECK(f.try_cancel());
+  CHECK(!f.try_cancel());  // once: the second caller does not notify again
+  CHECK(f.status() == FutureStatus::Cancelled);
   CHECK(!f.try_start());
   CHECK(f.published());
   FutureState g(2);
   CHECK(g.try_start());
-  CHECK(!g.cancel());
+  CHECK(!g.try_cancel());
   CHECK(!g.done());
 }
 

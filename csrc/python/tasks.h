@@ -1,0 +1,32 @@
+// The task bodies a lane runs for Python: a Python call, with the caller's torch state,
+// and a captured CUDA graph launched without the GIL. Each stores its outcome on the
+// task's Python future (python/future_object.h).
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "core/lane.h"
+#include "python/lane_runtime.h"
+
+namespace pydflash::python {
+
+/// Creates the Python future for task `id` of `lane` (the future type's constructor).
+pybind11::object make_python_future(LaneRuntime& rt, uint64_t id, pybind11::handle lane);
+
+// Task bodies refer to their lane's runtime without owning it: the lane owns it and
+// outlives every task it queues, and an atomic reference count per task is a cache
+// line shared by the submitting thread and the worker.
+
+/// fn(*args, **kwargs) (kwargs may be None), under the torch state read now. Entered.
+std::unique_ptr<TaskBody> make_python_task(LaneRuntime& rt, pybind11::object fn,
+                                           pybind11::tuple args, pybind11::object kwargs,
+                                           pybind11::object future, bool tracing);
+
+/// Launches `graph_exec` (a cudaGraphExec_t); `keepalive` lives until the GPU is done.
+std::unique_ptr<TaskBody> make_graph_task(LaneRuntime& rt, uintptr_t graph_exec,
+                                          pybind11::object keepalive, pybind11::object future);
+
+}  // namespace pydflash::python
