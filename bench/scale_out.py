@@ -552,4 +552,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Through the module's importable name: run as `python -m bench.scale_out`, this file is
+    # __main__, and the Options that bench.run's import of bench.scale_out checks for are
+    # another class than __main__'s.
+    from bench.scale_out import main as imported_main
+
+    sys.exit(imported_main())

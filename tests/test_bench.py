@@ -327,6 +327,20 @@ def test_real_target_section_measures_the_eager_rows(real_target_run):
     assert rows[f"{size}: pipeline step, graph target"].target == "<= 0.5"
 
 
+def test_real_target_options_reach_the_section_when_run_as_a_module(tmp_path):
+    pytest.importorskip("transformers")
+    path = tmp_path / "r.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.real_target", "--quick", "--lanes", "1", "--reps", "1",
+         "--pipeline-steps", "1", "--compile-timeout", "0", "--json", str(path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    names = [row["name"] for row in strict_json(path)["rows"]]
+    assert any("1 lane:" in name for name in names), names
+    assert not any("2 lanes" in name for name in names), names  # the default is 1,2,4
+
+
 def test_real_target_section_is_not_run_without_transformers(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import raises ModuleNotFoundError
     code, out, _ = call_main(["--quick", "--sections", "real_target", "--json", str(tmp_path / "r.json")])

@@ -386,6 +386,15 @@ def test_gpu_torch_graph_captured_in_a_task_launches_natively(gpu_lane):
 
 @pytest.mark.gpu
 @needs_gpu
+def test_gpu_graph_that_faults_fails_its_future_with_a_cuda_error(run_child_script):
+    done = run_child_script("graph_that_faults.py", timeout=120)
+    kind, _, message = done.stdout.strip().splitlines()[-1].partition("|")
+    assert (kind, done.returncode) == ("CudaError", 0), done.stdout + done.stderr
+    assert "lane 0 (cuda:0)" in message and "assert" in message, message
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_uncaptured_graph_is_a_capture_error(gpu_lane):
     with pytest.raises(GraphCaptureError, match="expected a captured"):
         gpu_lane.submit_graph(torch.cuda.CUDAGraph())
