@@ -36,7 +36,12 @@ def python_subprocess_env():
 
 def _run_child(argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,  # the tests read the status
     )
 
 
@@ -47,6 +52,18 @@ def run_child_script(python_subprocess_env):
 
     def run(name: str, *args: str, timeout: float = 60, env: dict | None = None):
         argv = [os.path.join(SCRIPTS, name), *args]
+        return _run_child(argv, {**python_subprocess_env, **(env or {})}, timeout)
+
+    return run
+
+
+@pytest.fixture
+def run_child_module(python_subprocess_env):
+    """Runs `python -m <module>` with `args` in a fresh interpreter, as
+    `run_child_script` runs a script."""
+
+    def run(module: str, *args: str, timeout: float = 60, env: dict | None = None):
+        argv = ["-m", module, *args]
         return _run_child(argv, {**python_subprocess_env, **(env or {})}, timeout)
 
     return run

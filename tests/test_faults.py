@@ -304,45 +304,10 @@ def test_gpu_out_of_memory_names_the_lane_and_the_lane_keeps_working() -> None:
 
 
 @pytest.mark.gpu
-def test_device_side_assert_names_the_lane_and_poisons_the_device(run_python) -> None:
+def test_device_side_assert_names_the_lane_and_poisons_the_device(run_child_script) -> None:
     # In a subprocess: a device-side assert leaves the CUDA context unusable for the rest
     # of the process (a sticky error), so it must not happen inside the test runner.
-    done = run_python(
-        textwrap.dedent(
-            """
-            import json, torch, pydflash
-            gpus = torch.cuda.device_count()
-            # Two lanes on cuda:0, and one on cuda:1 when there is one.
-            d = pydflash.Dispatcher([0, 0] + ([1] if gpus > 1 else []), guard_triton=False)
-            lanes = d.lanes
-
-            def assert_on_device():
-                x = torch.zeros(4, device=torch.cuda.current_device())
-                index = torch.tensor([10], device=x.device)  # out of bounds: the kernel asserts
-                return x[index].sum().item()  # .item() waits, so the assert surfaces here
-
-            def work():
-                return torch.ones(8, device=torch.cuda.current_device()).sum().item()
-
-            def outcome(future):
-                try:
-                    return {"ok": future.result(timeout=60)}
-                except Exception as e:
-                    return {"error": type(e).__name__, "runtime_error": isinstance(e, RuntimeError),
-                            "message": str(e)[:300], "notes": getattr(e, "__notes__", [])}
-
-            report = {"gpus": gpus, "labels": [l._native.label for l in lanes]}
-            report["assert"] = outcome(lanes[0].submit(assert_on_device))
-            report["same_lane_after"] = outcome(lanes[0].submit(work))
-            report["same_device_other_lane_after"] = outcome(lanes[1].submit(work))
-            if gpus > 1:
-                report["other_device_after"] = outcome(lanes[2].submit(work))
-            print("REPORT " + json.dumps(report), flush=True)
-            d.shutdown(cancel_futures=True)
-            """
-        ),
-        timeout=SUBPROCESS_TIMEOUT_S,
-    )
+    done = run_child_script("device_side_assert.py", timeout=SUBPROCESS_TIMEOUT_S)
     line = next((l for l in done.stdout.splitlines() if l.startswith("REPORT ")), None)
     assert line is not None, f"no report (rc={done.returncode}):\n{done.stdout}\n{done.stderr}"
     report = json.loads(line[len("REPORT "):])

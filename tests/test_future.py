@@ -8,7 +8,6 @@ import concurrent.futures._base as base
 import functools
 import re
 import sys
-import textwrap
 import threading
 import time
 
@@ -234,30 +233,9 @@ def test_the_worker_leaves_a_waiter_as_the_stdlibs_methods_do(kind: str, outcome
         d.shutdown()
 
 
-def test_a_patched_waiter_method_is_called(run_python) -> None:
+def test_a_patched_waiter_method_is_called(run_child_script) -> None:
     # A changed waiter class is no longer the one read at import: its methods run.
-    out = run_python(
-        textwrap.dedent(
-            """
-            import concurrent.futures as cf, concurrent.futures._base as base
-            import threading, pydflash
-            calls = []
-            add_result = base._AllCompletedWaiter.add_result
-            def counted(self, future):
-                calls.append(future)
-                add_result(self, future)
-            base._AllCompletedWaiter.add_result = counted
-            d = pydflash.Dispatcher(["cpu"], guard_triton=False)
-            gate = threading.Event()
-            d.submit(gate.wait)
-            futures = [d.submit(int, i) for i in range(3)]
-            threading.Timer(0.05, gate.set).start()
-            done, not_done = cf.wait(futures)
-            print(len(done), len(not_done), len(calls))
-            d.shutdown()
-            """
-        )
-    )
+    out = run_child_script("patched_waiter.py")
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["3", "0", "3"]
 

@@ -151,8 +151,8 @@ def test_fork_child_gets_a_clear_error_and_can_start_its_own():
     d.shutdown()
 
 
-def test_python_m_pydflash_prints_build_info(run_python):
-    out = run_python("import runpy; runpy.run_module('pydflash', run_name='__main__')")
+def test_python_m_pydflash_prints_build_info(run_child_module):
+    out = run_child_module("pydflash")
     assert out.returncode == 0, out.stderr
     fields = dict(line.split(None, 1) for line in out.stdout.strip().splitlines())
     assert fields["pydflash"] == pydflash.__version__
