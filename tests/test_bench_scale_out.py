@@ -17,8 +17,9 @@ from bench.common import Context, Row
 
 pytest.importorskip("transformers")
 
-from bench import scale_out  # noqa: E402  (needs transformers' config classes at run time)
-from examples.dflash.loops import Placement  # noqa: E402
+# After the skip: these need transformers' config classes at run time.
+from bench import scale_out
+from examples.dflash.loops import Placement
 
 NAME = "qwen3-next-tiny 2x32"
 SCRIPTS = Path(__file__).parent / "scripts"  # what tests run in a child interpreter

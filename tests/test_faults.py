@@ -48,7 +48,7 @@ def test_every_failure_of_k_lanes_is_reported(
         bad = set(rng.sample(range(len(lanes)), failing))
         together = threading.Barrier(len(lanes))  # every lane's task runs at once
 
-        def task(i: int) -> int:
+        def task(i: int, together=together, bad=bad) -> int:
             together.wait(timeout=30)
             if i in bad:
                 raise ValueError(f"task {i} failed")
@@ -118,7 +118,7 @@ def test_cancelling_twice_counts_once_for_an_all_completed_waiter(
         start = threading.Barrier(2)
         results = []
 
-        def cancel_first() -> None:
+        def cancel_first(start=start, results=results, first=first) -> None:
             start.wait()
             results.append(first.cancel())
 
@@ -146,10 +146,10 @@ def test_compile_queue_holder_failing_while_other_lanes_wait(
         key = f"test_faults.holder_fails.{slot}.{attempt}"
         ran: list[int] = []
 
-        def waiters() -> int:
+        def waiters(key: str = key) -> int:
             return sum(f["waiters"] for f in compile_queue.in_flight() if f["key"] == key)
 
-        def tune(i: int) -> None:
+        def tune(i: int, key: str = key, ran: list[int] = ran) -> None:
             ran.append(i)
             deadline = time.monotonic() + 30  # fail once every other lane waits on the key
             while waiters() < len(lanes) - 1 and time.monotonic() < deadline:

@@ -12,9 +12,9 @@ import threading
 import time
 
 import pytest
+from polling_helpers import eventually
 
 import pydflash
-from polling_helpers import eventually
 
 SETTLED = (base.FINISHED, base.CANCELLED_AND_NOTIFIED)
 RACE_ROUNDS = 150
@@ -355,7 +355,7 @@ def test_a_wait_hands_the_gil_over_only_briefly(lane) -> None:
     queued = lane.submit(int)
     try:
         start = time.monotonic()
-        done, not_done = cf.wait([queued], timeout=0)
+        _, not_done = cf.wait([queued], timeout=0)
         assert time.monotonic() - start < 1.0 and not_done == {queued}
     finally:
         gate.set()
@@ -384,7 +384,7 @@ def test_a_future_finishing_while_the_wait_checks_it_counts_once(how: str) -> No
             futures = [racer, last, *earlier]
             out: list = []
 
-            def waiting() -> None:
+            def waiting(start=start, out=out, futures=futures) -> None:
                 start.wait()
                 try:
                     if how == "wait":
@@ -396,7 +396,7 @@ def test_a_future_finishing_while_the_wait_checks_it_counts_once(how: str) -> No
 
             thread = threading.Thread(target=waiting)
             thread.start()
-            eventually(lambda: racer.done(), "the racer finished")
+            eventually(racer.done, "the racer finished")
             thread.join(0.01)
             returned_early = not thread.is_alive()
             last_gate.set()
