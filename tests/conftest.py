@@ -36,7 +36,12 @@ def python_subprocess_env():
 
 def _run_child(argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,  # the tests read the status
     )
 
 
@@ -53,40 +58,27 @@ def run_child_script(python_subprocess_env):
 
 
 @pytest.fixture
-def run_python(python_subprocess_env):
-    """Runs a Python snippet in a fresh interpreter; returns the CompletedProcess.
-    Prefer a file under tests/scripts and `run_child_script`: a file is linted."""
+def run_child_module(python_subprocess_env):
+    """Runs `python -m <module>` with `args` in a fresh interpreter, as
+    `run_child_script` runs a script."""
 
-    def run(code: str, timeout: float = 60, env: dict | None = None):
-        return _run_child(["-c", code], {**python_subprocess_env, **(env or {})}, timeout)
+    def run(module: str, *args: str, timeout: float = 60, env: dict | None = None):
+        argv = ["-m", module, *args]
+        return _run_child(argv, {**python_subprocess_env, **(env or {})}, timeout)
 
     return run
 
 
 @pytest.fixture
-def guard_module():
-    """pydflash.guards with no guard installed; the previous state afterwards."""
-    from pydflash import guards
-
-    was = guards.is_guarded()
-    guards.unguard_triton()
-    yield guards
-    guards.unguard_triton()
-    if was:
-        guards.guard_triton(missing_ok=True)
-
-
-@pytest.fixture
-def start_python(python_subprocess_env):
-    """Starts a Python snippet in a fresh interpreter, with text pipes for stdout and
-    stderr; returns the Popen and kills what is still running at teardown."""
-    import subprocess
-
+def start_child_script(python_subprocess_env):
+    """Starts tests/scripts/<name> with `args` in a fresh interpreter, with text pipes
+    for stdout and stderr; returns the Popen and kills what is still running at
+    teardown. `env` entries replace the subprocess environment's."""
     children = []
 
-    def start(code: str, env: dict | None = None):
+    def start(name: str, *args: str, env: dict | None = None):
         child = subprocess.Popen(
-            [sys.executable, "-c", code],
+            [sys.executable, os.path.join(SCRIPTS, name), *args],
             env={**python_subprocess_env, **(env or {})},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -100,3 +92,16 @@ def start_python(python_subprocess_env):
         if child.poll() is None:
             child.kill()
         child.communicate()
+
+
+@pytest.fixture
+def guard_module():
+    """pydflash.guards with no guard installed; the previous state afterwards."""
+    from pydflash import guards
+
+    was = guards.is_guarded()
+    guards.unguard_triton()
+    yield guards
+    guards.unguard_triton()
+    if was:
+        guards.guard_triton(missing_ok=True)

@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,10 +17,12 @@ from bench.common import Context, Row
 
 pytest.importorskip("transformers")
 
-from bench import scale_out  # noqa: E402  (needs transformers' config classes at run time)
-from examples.dflash.loops import Placement  # noqa: E402
+# After the skip: these need transformers' config classes at run time.
+from bench import scale_out
+from examples.dflash.loops import Placement
 
 NAME = "qwen3-next-tiny 2x32"
+SCRIPTS = Path(__file__).parent / "scripts"  # what tests run in a child interpreter
 
 
 def strict_json(path) -> dict:
@@ -117,11 +120,12 @@ def test_goals_follow_from_the_speed_ups_and_the_one_device_margin():
     assert missed[f"{two}: graph lanes"].met is False  # 1.85 < 1.9
 
 
+def worker(behaviour: str) -> list[str]:
+    return [sys.executable, str(SCRIPTS / "scale_out_worker.py"), behaviour]
+
+
 def test_workers_get_torchrun_environment_and_no_nvlink_multicast():
-    show = ("import json, os; print(json.dumps({k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', "
-            "'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT', 'NCCL_NVLS_ENABLE', "
-            "'TORCH_SYMM_MEM_DISABLE_MULTICAST', 'NVSHMEM_DISABLE_NVLS')}))")
-    reports, failure = scale_out.launch([sys.executable, "-c", show], world=2, limit=60)
+    reports, failure = scale_out.launch(worker("environment"), world=2, limit=60)
     assert failure is None
     assert sorted(r["RANK"] for r in reports) == ["0", "1"]
     for r in reports:
@@ -132,13 +136,9 @@ def test_workers_get_torchrun_environment_and_no_nvlink_multicast():
 
 
 def test_a_failing_worker_stops_the_others_and_says_why():
-    crash_one = ("import os, sys, time\n"
-                 "if os.environ['RANK'] == '1': sys.exit('RuntimeError: no device')\n"
-                 "time.sleep(60)")
-    reports, failure = scale_out.launch([sys.executable, "-c", crash_one], world=2, limit=60)
+    reports, failure = scale_out.launch(worker("fail-rank-1"), world=2, limit=60)
     assert reports == [] and failure == "rank 1 exit 1: RuntimeError: no device"
-    reports, failure = scale_out.launch([sys.executable, "-c", "import time; time.sleep(60)"],
-                                        world=2, limit=1)
+    reports, failure = scale_out.launch(worker("sleep"), world=2, limit=1)
     assert reports == [] and failure == "still running at the 1 s limit"
 
 

@@ -1,5 +1,6 @@
-"""Fault injection: tasks that raise, hang, run out of memory, get interrupted, outlive
-the interpreter or cross a fork, and what the waiter and the other lanes see."""
+"""Fault injection: tasks that raise, hang, run out of memory or assert on the device, and
+what the waiter and the other lanes see. Ctrl-C, interpreter exit and fork are in
+test_process.py."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ import functools
 import json
 import random
 import re
-import signal
-import textwrap
 import threading
 import time
 
@@ -49,7 +48,7 @@ def test_every_failure_of_k_lanes_is_reported(
         bad = set(rng.sample(range(len(lanes)), failing))
         together = threading.Barrier(len(lanes))  # every lane's task runs at once
 
-        def task(i: int) -> int:
+        def task(i: int, together=together, bad=bad) -> int:
             together.wait(timeout=30)
             if i in bad:
                 raise ValueError(f"task {i} failed")
@@ -119,7 +118,7 @@ def test_cancelling_twice_counts_once_for_an_all_completed_waiter(
         start = threading.Barrier(2)
         results = []
 
-        def cancel_first() -> None:
+        def cancel_first(start=start, results=results, first=first) -> None:
             start.wait()
             results.append(first.cancel())
 
@@ -147,10 +146,10 @@ def test_compile_queue_holder_failing_while_other_lanes_wait(
         key = f"test_faults.holder_fails.{slot}.{attempt}"
         ran: list[int] = []
 
-        def waiters() -> int:
+        def waiters(key: str = key) -> int:
             return sum(f["waiters"] for f in compile_queue.in_flight() if f["key"] == key)
 
-        def tune(i: int) -> None:
+        def tune(i: int, key: str = key, ran: list[int] = ran) -> None:
             ran.append(i)
             deadline = time.monotonic() + 30  # fail once every other lane waits on the key
             while waiters() < len(lanes) - 1 and time.monotonic() < deadline:
@@ -208,52 +207,6 @@ def test_stuck_task_times_out_and_shutdown_cancels_the_queue() -> None:
     assert stats["completed"] + stats["cancelled"] == stats["submitted"] == 51
 
 
-# --- Ctrl-C ------------------------------------------------------------------------------
-
-
-def test_ctrl_c_interrupts_a_blocked_wait(run_python) -> None:
-    done = run_python(
-        textwrap.dedent(
-            """
-            import os, signal, threading, time, pydflash
-            d = pydflash.Dispatcher(["cpu"], guard_triton=False)
-            gate = threading.Event()
-            stuck = d.submit(gate.wait)
-            waits = {
-                "result": stuck.result,
-                "exception": stuck.exception,
-                "wait_all": lambda: pydflash.wait_all([stuck]),
-            }
-            for name, wait in waits.items():
-                sent = []
-                def interrupt():
-                    sent.append(time.monotonic())
-                    os.kill(os.getpid(), signal.SIGINT)
-                timer = threading.Timer(0.2, interrupt)
-                timer.start()
-                try:
-                    wait()
-                    print(name, "returned", flush=True)
-                except KeyboardInterrupt:
-                    latency = time.monotonic() - sent[0]
-                    print(name, "KeyboardInterrupt", f"{latency:.4f}", flush=True)
-                timer.join()
-            gate.set()
-            print("stuck returned", stuck.result(), flush=True)
-            d.shutdown()
-            """
-        ),
-        timeout=SUBPROCESS_TIMEOUT_S,
-    )
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
-    for name in ("result", "exception", "wait_all"):
-        (line,) = [l for l in lines if l.startswith(name + " ")]
-        assert line.split()[1] == "KeyboardInterrupt", done.stdout
-        print(line)  # latency from the signal to the exception, for docs/reliability.md
-    assert "stuck returned True" in lines
-
-
 # --- out of memory -------------------------------------------------------------------------
 
 
@@ -304,45 +257,10 @@ def test_gpu_out_of_memory_names_the_lane_and_the_lane_keeps_working() -> None:
 
 
 @pytest.mark.gpu
-def test_device_side_assert_names_the_lane_and_poisons_the_device(run_python) -> None:
+def test_device_side_assert_names_the_lane_and_poisons_the_device(run_child_script) -> None:
     # In a subprocess: a device-side assert leaves the CUDA context unusable for the rest
     # of the process (a sticky error), so it must not happen inside the test runner.
-    done = run_python(
-        textwrap.dedent(
-            """
-            import json, torch, pydflash
-            gpus = torch.cuda.device_count()
-            # Two lanes on cuda:0, and one on cuda:1 when there is one.
-            d = pydflash.Dispatcher([0, 0] + ([1] if gpus > 1 else []), guard_triton=False)
-            lanes = d.lanes
-
-            def assert_on_device():
-                x = torch.zeros(4, device=torch.cuda.current_device())
-                index = torch.tensor([10], device=x.device)  # out of bounds: the kernel asserts
-                return x[index].sum().item()  # .item() waits, so the assert surfaces here
-
-            def work():
-                return torch.ones(8, device=torch.cuda.current_device()).sum().item()
-
-            def outcome(future):
-                try:
-                    return {"ok": future.result(timeout=60)}
-                except Exception as e:
-                    return {"error": type(e).__name__, "runtime_error": isinstance(e, RuntimeError),
-                            "message": str(e)[:300], "notes": getattr(e, "__notes__", [])}
-
-            report = {"gpus": gpus, "labels": [l._native.label for l in lanes]}
-            report["assert"] = outcome(lanes[0].submit(assert_on_device))
-            report["same_lane_after"] = outcome(lanes[0].submit(work))
-            report["same_device_other_lane_after"] = outcome(lanes[1].submit(work))
-            if gpus > 1:
-                report["other_device_after"] = outcome(lanes[2].submit(work))
-            print("REPORT " + json.dumps(report), flush=True)
-            d.shutdown(cancel_futures=True)
-            """
-        ),
-        timeout=SUBPROCESS_TIMEOUT_S,
-    )
+    done = run_child_script("device_side_assert.py", timeout=SUBPROCESS_TIMEOUT_S)
     line = next((l for l in done.stdout.splitlines() if l.startswith("REPORT ")), None)
     assert line is not None, f"no report (rc={done.returncode}):\n{done.stdout}\n{done.stderr}"
     report = json.loads(line[len("REPORT "):])
@@ -361,180 +279,3 @@ def test_device_side_assert_names_the_lane_and_poisons_the_device(run_python) ->
         other = report["other_device_after"]
         assert other.get("ok") == 8.0 or other.get("error") not in (None, "TimeoutError"), report
     assert done.returncode == 0, done.stderr[-5000:]
-
-
-# --- fork ---------------------------------------------------------------------------------------
-
-
-def test_forked_child_gets_clear_errors_and_can_make_its_own_dispatcher(run_python) -> None:
-    done = run_python(
-        textwrap.dedent(
-            """
-            import concurrent.futures, os, threading, warnings, pydflash
-            d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
-            gate = threading.Event()
-            pending = d.submit(gate.wait)
-            finished = d.submit(int, "5")
-            assert finished.result() == 5
-            with warnings.catch_warnings():
-                # Python 3.12 warns about forking a process with threads: that is the point.
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
-            if pid == 0:
-                code = 1
-                try:
-                    for what, call in [("submit", lambda: d.submit(int)),
-                                       ("lane submit", lambda: d.lanes[1].submit(int)),
-                                       ("pending result", lambda: pending.result()),
-                                       ("pending exception", lambda: pending.exception()),
-                                       ("pending wait", lambda: concurrent.futures.wait([pending])),
-                                       ("pending as_completed",
-                                        lambda: next(concurrent.futures.as_completed([pending])))]:
-                        try:
-                            call()
-                            print("child", what, "no error", flush=True)
-                        except RuntimeError as e:
-                            print("child", what, "RuntimeError:", e, flush=True)
-                    print("child finished result", finished.result(), flush=True)
-                    d.shutdown()  # a no-op for the parent's lanes
-                    own = pydflash.Dispatcher(["cpu"], guard_triton=False)
-                    print("child own", own.submit(sum, [1, 2, 3]).result(), flush=True)
-                    own.shutdown()
-                    code = 0
-                finally:
-                    os._exit(code)
-            _, status = os.waitpid(pid, 0)
-            print("child status", os.waitstatus_to_exitcode(status), flush=True)
-            gate.set()
-            after = d.submit(int, "9").result()
-            print("parent pending", pending.result(), "submit", after, flush=True)
-            d.shutdown()
-            """
-        ),
-        timeout=SUBPROCESS_TIMEOUT_S,
-    )
-    assert done.returncode == 0, done.stderr
-    out = done.stdout
-    assert "child status 0" in out, out
-    for what in ("submit", "lane submit"):
-        assert re.search(
-            rf"child {what} RuntimeError: this dispatcher was created in process \d+ and cannot "
-            r"be used in a forked child \(pid \d+\); create a new Dispatcher in the child",
-            out,
-        ), out
-    for what in ("pending result", "pending exception", "pending wait", "pending as_completed"):
-        assert re.search(
-            rf"child {what} RuntimeError: this future's task was queued on pydflash lane 0 \(cpu\) "
-            r"before a fork and cannot finish in the forked child",
-            out,
-        ), out
-    assert "child finished result 5" in out
-    assert "child own 6" in out
-    assert "parent pending True submit 9" in out
-
-
-# --- interpreter exit -------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("stuck", ["busy", "sleeping"])
-def test_exit_with_a_task_that_never_returns(run_python, stuck: str) -> None:
-    # A task that never returns is left behind after PYDFLASH_EXIT_TIMEOUT and what is
-    # queued behind it cancelled; the interpreter ends its thread while finalizing.
-    # Repeated: the crash this guards against was intermittent (a task destroyed without
-    # the GIL during the final collection).
-    body = "pass" if stuck == "busy" else "time.sleep(0.01)"
-    source = textwrap.dedent(f"""
-        import time, pydflash
-        d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
-        def forever():
-            while True:
-                {body}
-        def tiny(i):
-            return i
-        stuck = d.lanes[0].submit(forever)
-        queued = [d.lanes[i % 2].submit(tiny, i) for i in range(5000)]
-        while not stuck.running():  # exit while it runs, not before it started
-            time.sleep(0.001)
-        print("exiting", flush=True)
-        """)
-    for _ in range(5):
-        done = run_python(
-            source, timeout=SUBPROCESS_TIMEOUT_S, env={"PYDFLASH_EXIT_TIMEOUT": "0.5"}
-        )
-        assert done.returncode == 0, f"rc={done.returncode}\n{done.stderr[-5000:]}"
-        assert "exiting" in done.stdout
-        # Lane 1 runs its 2,500 queued tasks; lane 0's stay behind the stuck one.
-        assert done.stderr == (
-            "pydflash: exit stopped waiting for lane 0 (cpu) (a task ran past "
-            "PYDFLASH_EXIT_TIMEOUT=0.5 s): 1 task left running, 2500 queued tasks cancelled\n"
-        )
-
-
-def test_exit_lets_the_running_task_finish_then_runs_the_queue(run_python) -> None:
-    done = run_python(
-        textwrap.dedent(
-            """
-            import threading, time, pydflash
-            d = pydflash.Dispatcher(["cpu"], guard_triton=False)
-            started = threading.Event()
-            def running():
-                started.set()
-                # Returns once exit has closed the lane (bounded, so a bug cannot hang).
-                deadline = time.monotonic() + 60
-                while not d.lanes[0]._native.closed and time.monotonic() < deadline:
-                    time.sleep(0.001)
-                print("running task finished at exit:", d.lanes[0]._native.closed, flush=True)
-            d.submit(running)
-            queued = [d.submit(print, "queued task ran", i, flush=True) for i in range(100)]
-            started.wait(60)  # exit while it runs, not before the lane picked it up
-            print("exiting", flush=True)
-            """
-        ),
-        timeout=SUBPROCESS_TIMEOUT_S,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [
-        "exiting",
-        "running task finished at exit: True",
-        *(f"queued task ran {i}" for i in range(100)),
-    ]
-    assert done.stderr == ""
-
-
-def test_ctrl_c_at_exit_says_what_it_waits_for_and_a_second_ends_it(start_python) -> None:
-    child = start_python(
-        textwrap.dedent(
-            """
-            import time, pydflash
-            d = pydflash.Dispatcher(["cpu"], guard_triton=False)
-            long = d.submit(time.sleep, 60)
-            d.submit(print, "queued task ran")
-            while not long.running():
-                time.sleep(0.001)
-            print("started", flush=True)
-            long.result()
-            """
-        )
-    )
-    assert child.stdout.readline() == "started\n"
-    child.send_signal(signal.SIGINT)
-    said = []
-    for line in child.stderr:  # the KeyboardInterrupt's traceback, then pydflash's line
-        said.append(line)
-        if line.startswith("pydflash: "):
-            break
-    assert said[0] == "Traceback (most recent call last):\n" and said[-2] == "KeyboardInterrupt\n"
-    assert said[-1] == (
-        "pydflash: exit waits for lane 0 (cpu) to finish 1 running and 1 queued task; press "
-        "Ctrl-C again to stop waiting (a task running longer than PYDFLASH_EXIT_TIMEOUT=30 s "
-        "is left behind)\n"
-    )
-    sent = time.monotonic()
-    child.send_signal(signal.SIGINT)
-    out, err = child.communicate(timeout=SUBPROCESS_TIMEOUT_S)
-    assert time.monotonic() - sent < 10  # neither the 60 s task nor the 30 s timeout
-    assert err == (
-        "pydflash: exit stopped waiting for lane 0 (cpu) (Ctrl-C): 1 task left running, "
-        "1 queued task cancelled\n"
-    )
-    assert out == "" and child.returncode == -signal.SIGINT

@@ -8,14 +8,13 @@ import concurrent.futures._base as base
 import functools
 import re
 import sys
-import textwrap
 import threading
 import time
 
 import pytest
+from polling_helpers import eventually
 
 import pydflash
-from polling_helpers import eventually
 
 SETTLED = (base.FINISHED, base.CANCELLED_AND_NOTIFIED)
 RACE_ROUNDS = 150
@@ -234,30 +233,9 @@ def test_the_worker_leaves_a_waiter_as_the_stdlibs_methods_do(kind: str, outcome
         d.shutdown()
 
 
-def test_a_patched_waiter_method_is_called(run_python) -> None:
+def test_a_patched_waiter_method_is_called(run_child_script) -> None:
     # A changed waiter class is no longer the one read at import: its methods run.
-    out = run_python(
-        textwrap.dedent(
-            """
-            import concurrent.futures as cf, concurrent.futures._base as base
-            import threading, pydflash
-            calls = []
-            add_result = base._AllCompletedWaiter.add_result
-            def counted(self, future):
-                calls.append(future)
-                add_result(self, future)
-            base._AllCompletedWaiter.add_result = counted
-            d = pydflash.Dispatcher(["cpu"], guard_triton=False)
-            gate = threading.Event()
-            d.submit(gate.wait)
-            futures = [d.submit(int, i) for i in range(3)]
-            threading.Timer(0.05, gate.set).start()
-            done, not_done = cf.wait(futures)
-            print(len(done), len(not_done), len(calls))
-            d.shutdown()
-            """
-        )
-    )
+    out = run_child_script("patched_waiter.py")
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["3", "0", "3"]
 
@@ -377,7 +355,7 @@ def test_a_wait_hands_the_gil_over_only_briefly(lane) -> None:
     queued = lane.submit(int)
     try:
         start = time.monotonic()
-        done, not_done = cf.wait([queued], timeout=0)
+        _, not_done = cf.wait([queued], timeout=0)
         assert time.monotonic() - start < 1.0 and not_done == {queued}
     finally:
         gate.set()
@@ -406,7 +384,7 @@ def test_a_future_finishing_while_the_wait_checks_it_counts_once(how: str) -> No
             futures = [racer, last, *earlier]
             out: list = []
 
-            def waiting() -> None:
+            def waiting(start=start, out=out, futures=futures) -> None:
                 start.wait()
                 try:
                     if how == "wait":
@@ -418,7 +396,7 @@ def test_a_future_finishing_while_the_wait_checks_it_counts_once(how: str) -> No
 
             thread = threading.Thread(target=waiting)
             thread.start()
-            eventually(lambda: racer.done(), "the racer finished")
+            eventually(racer.done, "the racer finished")
             thread.join(0.01)
             returned_early = not thread.is_alive()
             last_gate.set()

@@ -2,17 +2,14 @@
 
 import ctypes
 import os
-import subprocess
-import sys
 
 import pytest
 
 import pydflash
 
 
-def report(python_subprocess_env) -> dict[str, str]:
-    out = subprocess.run([sys.executable, "-m", "pydflash"], env=python_subprocess_env,
-                         capture_output=True, text=True, timeout=60)
+def report(run_child_module) -> dict[str, str]:
+    out = run_child_module("pydflash")
     assert out.returncode == 0, out.stderr
     return dict(line.split(None, 1) for line in out.stdout.strip().splitlines())
 
@@ -25,17 +22,17 @@ def driver_loads() -> bool:
     return True
 
 
-def test_the_torch_state_reader_a_task_uses(python_subprocess_env):
+def test_the_torch_state_reader_a_task_uses(run_child_module):
     # Chosen once torch is imported: the report imports it, as a training script does.
     pytest.importorskip("torch")
     expected = "python" if os.environ.get("PYDFLASH_TORCH_STATE") == "python" else "native"
-    assert report(python_subprocess_env)["torch_state_reader"] == expected
+    assert report(run_child_module)["torch_state_reader"] == expected
 
 
-def test_no_cuda_driver_is_named_as_such(python_subprocess_env):
+def test_no_cuda_driver_is_named_as_such(run_child_module):
     if not pydflash._C.compiled_with_cuda() or driver_loads():
         pytest.skip("needs a CUDA build on a machine without a CUDA driver (CI)")
-    reason = report(python_subprocess_env)["devices_unavailable_because"]
+    reason = report(run_child_module)["devices_unavailable_because"]
     assert reason.startswith("no CUDA driver was found: libcuda.so.1"), reason
     # What the bench's header prints (bench.run.machine).
     assert pydflash.build_info()["devices_unavailable_because"] == reason
