@@ -42,7 +42,7 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     d = pydflash.Dispatcher([0, 0] + ([1] if gpus > 1 else []), guard_triton=False)
     lanes = d.lanes
-    report = {"gpus": gpus, "labels": [lane._native.label for lane in lanes]}
+    report = {"gpus": gpus, "labels": [lane.label for lane in lanes]}
     report["assert"] = outcome(lanes[0].submit(assert_on_device))
     report["same_lane_after"] = outcome(lanes[0].submit(work))
     report["same_device_other_lane_after"] = outcome(lanes[1].submit(work))
