@@ -7,8 +7,9 @@ import math
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 # Seconds per unit, for the units a time can be reported in.
 TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
@@ -83,7 +84,8 @@ _TARGET_RE = re.compile(
 
 def parse_target(target: str) -> tuple[str | None, str, float]:
     """("ratio" | "value" | "speedup" | "added" | None, op, bound); None means ratio when
-    the row has one, else value; "added" is value - baseline, in the row's unit. Raises ValueError on anything else."""
+    the row has one, else value; "added" is value - baseline, in the row's unit. Raises
+    ValueError on anything else."""
     match = _TARGET_RE.match(target)
     if match is None:
         raise ValueError(

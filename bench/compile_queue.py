@@ -22,8 +22,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, ClassVar
 
 from .common import Context, Row, meets
 
@@ -117,7 +118,7 @@ def _hit_path_stub(ctx: Context) -> Row:
         pass
 
     class Launch:  # what Autotuner.fn would be, minus the GPU
-        arg_names = ["q", "k", "v", "o", "T", "H"]
+        arg_names: ClassVar[list[str]] = ["q", "k", "v", "o", "T", "H"]
         fn = staticmethod(kernel)
 
         def run(self, *args, grid, warmup, **kwargs):
@@ -286,7 +287,6 @@ def _cold_child(mode: str, lanes: int, kernels: int, configs: int) -> dict[str, 
     """One process: `lanes` steps of the same work, cold. Timed from the first call."""
     import torch
     import triton
-    import triton.language as tl
 
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     device = "cpu" if interpret else "cuda"

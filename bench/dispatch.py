@@ -11,7 +11,8 @@ off.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .common import Context, Row, compare, interleaved_medians, not_run
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .common import Context, Row, compare, interleaved_medians, not_run
 
@@ -119,7 +120,7 @@ def measure(
         ctx.progress(f"{n} models: checking parallel_apply")
         eager_parallel_apply()
         variants["eager_parallel_apply"] = eager_parallel_apply
-    except Exception as exc:  # e.g. torch's "No available accelerator found." on a CPU
+    except Exception as exc:  # noqa: BLE001 - e.g. torch's "No available accelerator found." on a CPU
         skipped["eager_parallel_apply"] = f"parallel_apply cannot run here: {exc}"
     try:
         if gpu:

@@ -10,7 +10,7 @@ stream per thread, launching the same kernels.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Callable
+from collections.abc import Callable
 
 from .common import Context, Row, compare, interleaved_medians, not_run
 

@@ -19,7 +19,8 @@ import json
 import statistics
 import sys
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -114,7 +115,7 @@ def step_time(setup: Setup, make_steps: Callable[[list[dict], int], Iterator[Any
 
 def warm_targets(models, setup: Setup, batch: dict) -> None:
     with torch.no_grad():
-        for target, device in zip(models.targets, setup.placement.targets):
+        for target, device in zip(models.targets, setup.placement.targets, strict=True):
             target_forward(target)({k: t.to(device) for k, t in batch.items()})
 
 

@@ -33,9 +33,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -243,7 +244,7 @@ def executor_step(bench: Bench, forward: Callable, batches: list[dict],
 
 
 def lanes_step(bench: Bench, stage: Any, lanes: list, batches: list[dict]) -> None:
-    futures = [stage.submit(lane, batch) for lane, batch in zip(lanes, batches)]
+    futures = [stage.submit(lane, batch) for lane, batch in zip(lanes, batches, strict=True)]
     results = [future.result() for future in futures]
     bench.synchronize()
     if isinstance(stage, TargetGraphs):
@@ -445,7 +446,9 @@ def threaded_calls(bench: Bench, compiled: Callable, forward: Callable,
             outs = list(pool.map(call, range(n)))
         except Exception as exc:  # noqa: BLE001 - the failure is what this reports
             return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
-        wrong = [i for i, (a, b) in enumerate(zip(outs, expected)) if not torch.equal(a, b)]
+        wrong = [
+            i for i, (a, b) in enumerate(zip(outs, expected, strict=True)) if not torch.equal(a, b)
+        ]
         if wrong:
             return {"error": f"wrong outputs in threads {wrong} (no exception)"}
         samples = []

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from pydflash.trace import GPU_TID
 
@@ -88,7 +89,8 @@ def format_table(result: dict[str, Any], rows: list[Row]) -> str:
                 notes.append(f"{row.name}: {row.note}")
     widths = [max(len(str(line[i])) for line in table) for i in range(len(columns))]
     for line in table:
-        lines.append("  ".join(str(cell).ljust(w) for cell, w in zip(line, widths)).rstrip())
+        cells = (str(cell).ljust(w) for cell, w in zip(line, widths, strict=True))
+        lines.append("  ".join(cells).rstrip())
     targets = result["targets"]
     lines.append(
         f"targets: {len(targets['met'])} met, {len(targets['missed'])} missed, "
@@ -178,7 +180,7 @@ def plot(
     gpus = ", ".join(header.get("device_names") or []) or "no GPU (CPU-only figures)"
     fig.suptitle(f"pydflash {header.get('pydflash')}, {header.get('date')}: {gpus}; "
                  f"torch {header.get('torch')}", fontsize=9)
-    for ax, (section, metric, bars) in zip(axes, panels):
+    for ax, (section, metric, bars) in zip(axes, panels, strict=False):
         _bars(ax, section, metric, bars)
     if trace is not None:
         _timeline(axes[len(panels)], trace)

@@ -21,7 +21,8 @@ import platform
 import sys
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -89,7 +90,7 @@ class Progress:
 def machine() -> dict[str, Any]:
     """build_info() plus the host, the date and the GPUs the sections will use."""
     try:
-        import torch  # noqa: F401  (build_info names the GPUs once torch is imported)
+        import torch  # build_info names the GPUs once torch is imported
 
         torch_gpus = torch.cuda.is_available()
     except ImportError:
@@ -134,7 +135,7 @@ def run_section(name: str, ctx: Context) -> tuple[list[Row], dict[str, Any]]:
             return _failed(name, exc, start)
         reason = f"needs {missing}, which is not installed"
         return [_status_row(name, "not run", reason)], {"status": "not run", "reason": reason}
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a section's failure is its report's row
         return _failed(name, exc, start)
     for row in rows:
         if row.met is None:

@@ -41,9 +41,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -120,7 +121,7 @@ class Setting:
     def batches(self, n: int) -> list[dict]:
         data = MarkovTokens(self.config.vocab, self.seq, self.batch, seed=DATA_SEED)
         return [{k: t.to(device) for k, t in b.items()}
-                for b, device in zip(data.batches(0, n), self.devices(n))]
+                for b, device in zip(data.batches(0, n), self.devices(n), strict=True)]
 
     def synchronize(self, n: int) -> None:
         if self.on_gpu:
@@ -193,7 +194,7 @@ def in_process(ctx: Context, options: Options, setting: Setting, counts: list[in
     batches = setting.batches(most)
     ctx.progress(f"{setting.name}: warm-up, one device at a time (compiles and autotunes)")
     with torch.no_grad():
-        for forward, batch, device in zip(forwards, batches, setting.devices(most)):
+        for forward, batch, device in zip(forwards, batches, setting.devices(most), strict=True):
             with on_device(device):
                 forward(batch)
     setting.synchronize(most)
@@ -207,7 +208,7 @@ def in_process(ctx: Context, options: Options, setting: Setting, counts: list[in
         if graphs:
             stages["graphs"] = [TargetGraphs(f) for f in forwards]
             ctx.progress(f"{setting.name}: capturing graphs on {most} lanes")
-            for stage, lane, batch in zip(stages["graphs"], lanes, batches):
+            for stage, lane, batch in zip(stages["graphs"], lanes, batches, strict=True):
                 stage.warmup(lane, batch, [(setting.batch, setting.seq)])
         for n in counts:
             ctx.progress(f"{setting.name}: target step on {setting.where(n)}, in this process")
@@ -247,10 +248,13 @@ def executor_step(setting: Setting, forwards: list, batches: list[dict],
 
 
 def lanes_step(setting: Setting, stages: list, lanes: list, batches: list[dict]) -> None:
-    futures = [stage.submit(lane, batch) for stage, lane, batch in zip(stages, lanes, batches)]
+    futures = [
+        stage.submit(lane, batch)
+        for stage, lane, batch in zip(stages, lanes, batches, strict=True)
+    ]
     results = [future.result() for future in futures]
     setting.synchronize(len(batches))
-    for stage, result in zip(stages, results):
+    for stage, result in zip(stages, results, strict=True):
         if isinstance(stage, TargetGraphs):
             stage.release(result)  # its output buffers serve the next replays
 

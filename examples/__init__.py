@@ -1,1 +1,2 @@
-"""Runnable training scripts; `dflash/` holds the online drafter-training example's models and loops."""
+"""Runnable training scripts; `dflash/` holds the online drafter-training example's models
+and loops."""

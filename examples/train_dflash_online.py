@@ -64,7 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int)
     source = p.add_mutually_exclusive_group()
     source.add_argument("--target-model", type=Path, metavar="PATH",
-                        help="a local Hugging Face causal LM as the target (from_pretrained, no download)")
+                        help="a local Hugging Face causal LM as the target "
+                        "(from_pretrained, no download)")
     source.add_argument("--target-config", choices=list(dflash.hf.QWEN3_NEXT),
                         help="a Qwen3-Next target built from this config, with random weights")
     p.add_argument("--moe", action="store_true", help="--target-config with MoE blocks, not a dense MLP")
@@ -94,7 +95,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.moe and not args.target_config:
         p.error("--moe applies to --target-config")
     if args.target_graphs and args.mode != "pipeline":
-        p.error(f"--target-graphs runs the target on pipeline lanes: use --mode pipeline, not {args.mode}")
+        p.error(
+            "--target-graphs runs the target on pipeline lanes: "
+            f"use --mode pipeline, not {args.mode}"
+        )
     return args
 
 
@@ -206,7 +210,7 @@ def train(mode: str, job: dflash.loops.Job, placement: dflash.loops.Placement,
         step_iter = loop.steps(batches, steps)
     else:
         with torch.no_grad():  # the same Triton warm-up as the pipeline's
-            for target, device in zip(models.targets, placement.targets):
+            for target, device in zip(models.targets, placement.targets, strict=True):
                 dflash.loops.target_forward(target)({k: t.to(device) for k, t in warm.items()})
         if mode == "sequential":
             step_iter = dflash.loops.sequential_steps(models, placement, job, batches, steps)
@@ -289,7 +293,7 @@ def compare(reference: Outcome, other: Outcome, exact: bool) -> tuple[bool, str]
         ok = a == b
         verb = "equal" if ok else "differ from"
         return ok, f"{other.mode} losses {verb} the sequential loop's exactly"
-    worst = max(abs(x - y) / max(abs(x), 1e-6) for x, y in zip(a, b))
+    worst = max(abs(x - y) / max(abs(x), 1e-6) for x, y in zip(a, b, strict=False))
     ok = len(a) == len(b) and worst <= BF16_RTOL
     return ok, (f"{other.mode} losses vs the sequential loop: max relative difference {worst:.2e} "
                 f"({'within' if ok else 'beyond'} the bf16 tolerance {BF16_RTOL:.0e})")

@@ -1,6 +1,7 @@
 # Stubs for the native module pydflash._C (csrc/python). tests/test_stubs.py fails
 # when these drift from what the module defines.
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __version__: str
 BUILD: dict[str, Any]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ._version import __version__
-from ._native import C as _C
 from ._future import Future
+from ._native import C as _C
+from ._version import __version__
 from .dispatcher import Dispatcher
 from .errors import (
     CompileQueueTimeout,
@@ -18,9 +18,9 @@ from .errors import (
     PydflashError,
     UnsupportedTritonError,
 )
+from .guards import guard_triton, unguard_triton
 from .info import build_info
 from .lane import Lane
-from .guards import guard_triton, unguard_triton
 from .waiting import wait_all
 
 

@@ -14,7 +14,8 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .lane import Lane

@@ -7,7 +7,7 @@ import sys
 from .errors import NativeModuleError
 
 try:
-    from . import _C  # noqa: F401
+    from . import _C
 except ImportError as exc:  # pragma: no cover - exercised only on broken installs
     raise NativeModuleError(
         f"pydflash's native module failed to load ({exc}). It is built by `pip install .`; "

@@ -9,7 +9,8 @@ flag), so when either is on the native side calls `capture()` at submit and
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from ._native import C
 
@@ -34,7 +35,8 @@ def parse_device(spec: Any, gpu_count: int | None = None) -> int:
         spec = str(spec)
     if isinstance(spec, bool) or not isinstance(spec, (int, str)):
         raise TypeError(
-            f"expected a device as an int, 'cuda:N', 'cpu' or torch.device, got {type(spec).__name__}"
+            "expected a device as an int, 'cuda:N', 'cpu' or torch.device, "
+            f"got {type(spec).__name__}"
         )
     if isinstance(spec, str):
         if spec == "cpu":

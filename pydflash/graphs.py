@@ -17,11 +17,13 @@ random ops (dropout) replays the same random numbers each launch, because only
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .errors import GraphCaptureError
 from .graph_exec import GraphWrapper, check_lane, native_launch_supported, remember_device, unwrap
@@ -136,7 +138,7 @@ class CapturedGraph(GraphWrapper):
                 f"expected {len(self._specs)} inputs (or none, to replay the static "
                 f"inputs), got {len(inputs)}"
             )
-        for position, (spec, tensor) in enumerate(zip(self._specs, inputs)):
+        for position, (spec, tensor) in enumerate(zip(self._specs, inputs, strict=False)):
             spec.check(position, tensor)
 
     def __repr__(self) -> str:
@@ -221,10 +223,10 @@ def _capture_on_lane(
         try:
             outputs = fn(*static_inputs)
         except BaseException as exc:
-            try:
-                graph.capture_end()  # leave the lane stream out of capture mode
-            except RuntimeError:
-                pass  # the capture was invalidated by the failure reported below
+            # The capture was invalidated by the failure reported below; end it all the same, to
+            # leave the lane stream out of capture mode.
+            with contextlib.suppress(RuntimeError):
+                graph.capture_end()
             raise GraphCaptureError(
                 f"capturing {getattr(fn, '__qualname__', fn)!s} on {lane!r} failed: {exc} "
                 "(a captured function must not synchronise with the host or change "
@@ -258,7 +260,7 @@ def _copy_in(static_inputs: tuple[Any, ...], inputs: tuple[Any, ...], ready: lis
 
     for event in ready:
         torch.cuda.current_stream().wait_event(event)
-    for static, source in zip(static_inputs, inputs):
+    for static, source in zip(static_inputs, inputs, strict=True):
         static.copy_(source, non_blocking=True)
         if source.is_cuda and source.device == static.device:
             # The caller may drop `source` once this task returns; keep its memory

@@ -34,8 +34,9 @@ import concurrent.futures
 import contextlib
 import threading
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -90,7 +91,8 @@ class GraphTarget(TargetStage):
     def __init__(self, captured: Any, inputs: Callable[[Any], tuple] | None = None) -> None:
         if not callable(getattr(captured, "run", None)):
             raise TypeError(
-                f"expected a captured graph with a run(*inputs) method, got {type(captured).__name__}"
+                "expected a captured graph with a run(*inputs) method, "
+                f"got {type(captured).__name__}"
             )
         if inputs is not None and not callable(inputs):
             raise TypeError(f"expected inputs to be a callable or None, got {type(inputs).__name__}")
@@ -253,7 +255,7 @@ class Pipeline:
             t if isinstance(t, TargetStage) else EagerTarget(t)
             for t in _per_lane(target, n_targets, "target", "a callable or TargetStage", _is_target)
         ]
-        for stage, lane in zip(self._targets, self._target_lanes):
+        for stage, lane in zip(self._targets, self._target_lanes, strict=True):
             stage.check_lane(lane)
 
         def per_drafter(value: Any, name: str, kind: str, accepts: Callable[[Any], bool]) -> list:
@@ -286,7 +288,8 @@ class Pipeline:
         self._ddp = [isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in self._drafters]
         if any(self._ddp) and n_drafters > 1:
             raise ValueError(
-                f"expected one drafter lane per process with DistributedDataParallel, got {n_drafters}"
+                "expected one drafter lane per process with DistributedDataParallel, "
+                f"got {n_drafters}"
             )
         self._params = [[p for p in m.parameters() if p.requires_grad] for m in self._drafters]
         self._check_drafters()
@@ -311,7 +314,7 @@ class Pipeline:
     # --- checks -----------------------------------------------------------------------
     def _check_drafters(self) -> None:
         shapes = [tuple(p.shape for p in params) for params in self._params]
-        for r, (module, lane) in enumerate(zip(self._drafters, self._drafter_lanes)):
+        for r, (module, lane) in enumerate(zip(self._drafters, self._drafter_lanes, strict=True)):
             if shapes[r] != shapes[0]:
                 raise ValueError(f"expected drafter replicas of one shape, drafter {r} differs from 0")
             expected = torch.device(lane.device)
@@ -396,7 +399,7 @@ class Pipeline:
                 batch = next(batches)
             except StopIteration:
                 return None
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - raised below, as the pipeline's failure
                 self._fail(_stage_error("data", k, None, exc))
                 self._raise_failure()
             replica = i % n_drafters
@@ -417,7 +420,7 @@ class Pipeline:
         t_lane, d_lane = self._target_lanes[t_index], self._drafter_lanes[replica]
         try:
             target = self._targets[t_index].submit(t_lane, batch)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - raised below, as the pipeline's failure
             self._release_slot()
             self._fail(_stage_error("target", k, t_lane, exc))
             self._raise_failure()
@@ -429,7 +432,7 @@ class Pipeline:
             drafter = d_lane.submit(
                 self._drafter_task, k, replica, target, self._targets[t_index], t_lane, sync
             )
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - raised below, as the pipeline's failure
             target.cancel()
             self._release_slot()
             self._fail(_stage_error("drafter", k, d_lane, exc))
@@ -544,7 +547,7 @@ class Pipeline:
             except BaseException as exc:
                 raise _stage_error("reduce", None, lane, exc, step=step) from exc
             # The sum is shared by every replica: each takes its own copy.
-            for p, grad in zip(params, grads):
+            for p, grad in zip(params, grads, strict=True):
                 p.grad = grad if grad is None or copied else grad.clone()
         try:
             if self.clip_grad_norm is not None:
@@ -692,7 +695,7 @@ def _input_of(future: Future) -> Any:
     """The result of an earlier stage's future; _Upstream when it failed or was cancelled."""
     try:
         return future.result()
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - any upstream failure is _Upstream here
         raise _Upstream(f"an earlier stage failed: {exc!r}") from None
 
 

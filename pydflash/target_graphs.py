@@ -45,11 +45,13 @@ run eagerly.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -211,7 +213,7 @@ class _Ring:
             after, self._after[slot] = self._after[slot], None
         if after is not None:
             torch.cuda.current_stream().wait_event(after)
-        return [buf[: x.numel()].view(x.shape) for buf, x in zip(buffers, like)]
+        return [buf[: x.numel()].view(x.shape) for buf, x in zip(buffers, like, strict=True)]
 
     def _claim(self) -> int | None:
         for step in range(len(self._free)):
@@ -235,7 +237,7 @@ class _Ring:
 def _fits(buffers: list[torch.Tensor], like: list[torch.Tensor]) -> bool:
     return len(buffers) == len(like) and all(
         buf.dtype == x.dtype and buf.device == x.device and buf.numel() >= x.numel()
-        for buf, x in zip(buffers, like)
+        for buf, x in zip(buffers, like, strict=True)
     )
 
 
@@ -346,7 +348,7 @@ class TargetGraphs(TargetStage):
         pads = self._pads(example, leaves)
         batches = [
             pytree.tree_unflatten([_resize(x, Bucket(batch, length), pad)
-                                   for x, pad in zip(leaves, pads)], spec)
+                                   for x, pad in zip(leaves, pads, strict=True)], spec)
             for batch, length in shapes
         ]
         futures = [self.submit(lane, batch) for lane in lanes for batch in batches]
@@ -405,7 +407,7 @@ class TargetGraphs(TargetStage):
                     return self._eager(state, batch, *state.eager[key])
             else:
                 state.graphs.move_to_end(key)
-                for static, x, pad in zip(graph.static_inputs, leaves, pads):
+                for static, x, pad in zip(graph.static_inputs, leaves, pads, strict=True):
                     if isinstance(x, torch.Tensor):
                         _copy_padded(static, x, pad)
             graph.graph.replay()
@@ -416,10 +418,11 @@ class TargetGraphs(TargetStage):
     def _padded(leaves: list[Any], pads: list[float], bucket: Bucket) -> list[Any]:
         # A replay copies straight into the graph's static inputs: only the CPU path and
         # a capture need a padded copy of their own.
-        return [_pad(x, bucket, pad) for x, pad in zip(leaves, pads)]
+        return [_pad(x, bucket, pad) for x, pad in zip(leaves, pads, strict=True)]
 
     def _copy_out(self, state: _LaneGraphs, graph: _Graph, b: int, t: int) -> Any:
-        cut = [_cut(x, kind, b, t) for x, kind in zip(graph.static_outputs, graph.out_cuts)]
+        outputs = zip(graph.static_outputs, graph.out_cuts, strict=True)
+        cut = [_cut(x, kind, b, t) for x, kind in outputs]
         tensors = [x for x in cut if isinstance(x, torch.Tensor)]
         copies = iter(state.ring.take(tensors))
         out = []
@@ -527,10 +530,10 @@ def pool_bytes(pool: Any, device: int | None) -> int:
 
 
 def _end_failed_capture(graph: Any) -> None:
-    try:
-        graph.capture_end()  # leaves the lane stream out of capture mode
-    except RuntimeError:
-        pass  # the capture was invalidated by the failure being reported
+    # Leaves the lane stream out of capture mode; the capture was invalidated by the failure
+    # being reported.
+    with contextlib.suppress(RuntimeError):
+        graph.capture_end()
 
 
 def _first_line(exc: BaseException) -> str:

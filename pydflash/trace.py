@@ -13,7 +13,8 @@ import contextlib
 import json
 import os
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from .lane import Lane
 

@@ -168,7 +168,7 @@ def test_a_crashing_section_fails_the_run_but_not_the_others(sections, monkeypat
     fake_section(monkeypatch, "works", lambda ctx: [compare("works", "figure", 2.0, "us", "b", 4.0,
                                                             "<= 0.25")])
     sections("crashes", "works")
-    code, out, err = call_main(["--sections", "crashes,works", "--json", str(tmp_path / "r.json")])
+    code, _, err = call_main(["--sections", "crashes,works", "--json", str(tmp_path / "r.json")])
     assert code == 1
     result = strict_json(tmp_path / "r.json")
     assert result["sections"]["crashes"]["status"] == "failed"
@@ -289,7 +289,8 @@ def test_pipeline_setup_makes_its_batches_once():
     first = setup.batches(3)
     assert setup.batches(2)[1] is first[1]  # reused, not made again
     more = setup.batches(4)
-    assert len(more) == 4 and all(a["input_ids"].equal(b["input_ids"]) for a, b in zip(first, more))
+    assert len(more) == 4
+    assert all(a["input_ids"].equal(b["input_ids"]) for a, b in zip(first, more, strict=False))
 
 
 @pytest.fixture(scope="module")
@@ -343,7 +344,7 @@ def test_real_target_options_reach_the_section_when_run_as_a_module(tmp_path):
 
 def test_real_target_section_is_not_run_without_transformers(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import raises ModuleNotFoundError
-    code, out, _ = call_main(["--quick", "--sections", "real_target", "--json", str(tmp_path / "r.json")])
+    code, _, _ = call_main(["--quick", "--sections", "real_target", "--json", str(tmp_path / "r.json")])
     assert code == 0
     status = strict_json(tmp_path / "r.json")["sections"]["real_target"]
     assert status == {"status": "not run", "reason": "needs transformers, which is not installed"}

@@ -110,7 +110,7 @@ def test_handed_over_memory_is_not_reused_early(two_lanes):
     for _ in range(5):
         handed = [producer.submit(lambda: torch.full((n,), 7.0, device="cuda"))]
 
-        def consume():
+        def consume(handed=handed):
             x = handed.pop().wait_stream()  # from here on only x holds the tensor
             pydflash._C.busy_wait(consumer.stream_ptr, 20_000_000)  # read happens later
             return x.sum()

@@ -129,7 +129,7 @@ def test_wait_and_as_completed(dispatcher):
     gate, wait = blocker()
     slow = dispatcher.lanes[0].submit(wait)
     fast = [dispatcher.lanes[1].submit(lambda i=i: i) for i in range(20)]
-    done, not_done = cf.wait(fast + [slow], timeout=5, return_when=cf.FIRST_COMPLETED)
+    done, not_done = cf.wait([*fast, slow], timeout=5, return_when=cf.FIRST_COMPLETED)
     assert done and slow in not_done
     assert sorted(f.result() for f in cf.as_completed(fast, timeout=5)) == list(range(20))
     failing = dispatcher.lanes[1].submit(lambda: 1 / 0)
@@ -202,7 +202,7 @@ def test_shutdown_waits_for_queued_work():
 def test_shutdown_cancel_futures_resolves_everything():
     d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
     gates = [threading.Event() for _ in d.lanes]
-    running = [lane.submit(g.wait) for lane, g in zip(d.lanes, gates)]
+    running = [lane.submit(g.wait) for lane, g in zip(d.lanes, gates, strict=True)]
     queued = [d.submit(lambda: "ran") for _ in range(40)]
     while not all(f.running() for f in running):
         time.sleep(0.001)
@@ -260,7 +260,7 @@ def test_stats_count_work(dispatcher):
 def test_the_native_submitter_refuses_what_is_not_a_lane():
     with pytest.raises(ValueError, match="expected at least one lane, got none"):
         pydflash._C.Submitter((), "none")
-    with pytest.raises(TypeError, match="expected pydflash.Lane objects, got int"):
+    with pytest.raises(TypeError, match=r"expected pydflash\.Lane objects, got int"):
         pydflash._C.Submitter((1,), "an int")
 
 

@@ -5,6 +5,7 @@ drafter, the three training loops agreeing, the CLI, and a DDP drafter under tor
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import subprocess
 import sys
@@ -81,7 +82,7 @@ def test_chunked_gated_delta_rule_gradients_match_the_naive_loop():
     for x in inputs:
         x.grad = None
     (torch_gated_delta_rule(*inputs, chunk_size=8) * weights).sum().backward()
-    for got, want in zip((x.grad for x in inputs), expected):
+    for got, want in zip((x.grad for x in inputs), expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
 
 
@@ -162,9 +163,9 @@ def test_markov_data_is_a_function_of_seed_and_index():
     assert torch.equal(data.batch(7)["input_ids"], again.batch(7)["input_ids"])
     assert not torch.equal(data.batch(7)["input_ids"], data.batch(8)["input_ids"])
     ids = data.batch(0)["input_ids"]
-    assert ids.shape == (3, 16) and 0 <= ids.min() and ids.max() < 64
+    assert ids.shape == (3, 16) and ids.min() >= 0 and ids.max() < 64
     for row in ids:  # every transition is one the chain allows
-        for a, b in zip(row[:-1].tolist(), row[1:].tolist()):
+        for a, b in itertools.pairwise(row.tolist()):
             assert b in data.successors[a].tolist()
 
 

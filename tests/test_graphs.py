@@ -231,7 +231,7 @@ def test_run_checks_inputs_against_the_capture(cpu_lane, fake_graph_type):
         captured.run(torch.zeros(5, 3))
     with pytest.raises(ValueError, match=r"got shape \(4, 3\) and dtype torch\.float64"):
         captured.run(torch.zeros(4, 3, dtype=torch.float64))
-    with pytest.raises(ValueError, match="expected 1 inputs .* got 2"):
+    with pytest.raises(ValueError, match=r"expected 1 inputs .* got 2"):
         captured.run(torch.zeros(4, 3), torch.zeros(4, 3))
     with pytest.raises(TypeError, match="expected input 0 as a tensor, got list"):
         captured.run([[0.0] * 3] * 4)
@@ -241,7 +241,7 @@ def test_run_checks_inputs_against_the_capture(cpu_lane, fake_graph_type):
 
 
 def test_capture_on_a_cpu_lane_is_impossible(cpu_lane):
-    with pytest.raises(GraphCaptureError, match="capture needs a GPU lane.* a CPU lane"):
+    with pytest.raises(GraphCaptureError, match=r"capture needs a GPU lane.* a CPU lane"):
         graphs.capture(double_plus_one, torch.zeros(2), cpu_lane)
 
 

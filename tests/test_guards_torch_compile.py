@@ -34,7 +34,7 @@ def test_first_calls_of_a_compiled_module_go_through_the_queue(guard_module):
         for t in threads:
             t.join()
         with torch.no_grad():
-            assert all(torch.allclose(r, module(x)) for r, x in zip(results, inputs))
+            assert all(torch.allclose(r, module(x)) for r, x in zip(results, inputs, strict=True))
         first_calls = [
             k
             for k in compile_queue.stats()["keys"]

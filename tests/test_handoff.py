@@ -24,7 +24,7 @@ def test_tensors_are_found_in_nested_containers_in_order():
     tree, expected = nested()
     found = tensors(tree)
     assert len(found) == len(expected)
-    assert all(x is y for x, y in zip(found, expected))
+    assert all(x is y for x, y in zip(found, expected, strict=True))
     assert tensors(torch.zeros(1))[0].shape == (1,)
     assert tensors({"no": [1, "tensor"]}) == []
 

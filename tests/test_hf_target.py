@@ -16,9 +16,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from examples.dflash.data import MarkovTokens  # noqa: E402
-from examples.dflash.hf import HFTargetConfig, default_layers, parse_layers  # noqa: E402
-from examples.dflash.loops import (  # noqa: E402
+from examples.dflash.data import MarkovTokens
+from examples.dflash.hf import HFTargetConfig, default_layers, parse_layers
+from examples.dflash.loops import (
     Job,
     PipelineLoop,
     Placement,
@@ -27,7 +27,7 @@ from examples.dflash.loops import (  # noqa: E402
     sequential_steps,
     target_forward,
 )
-from examples.dflash.models import TINY_DRAFTER  # noqa: E402
+from examples.dflash.models import TINY_DRAFTER
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_dflash_online.py"

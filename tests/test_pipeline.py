@@ -97,7 +97,7 @@ def build(lanes, n_targets=1, n_drafters=1, *, target=None, loss=drafter_loss, *
 
 
 def params_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
 def assert_idle(lanes) -> None:
@@ -156,7 +156,7 @@ def test_replicas_with_several_microbatches_each_agree_up_to_summation_order(lan
     assert losses[:4] == expected[:4]  # before the first step the weights are the same
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
     assert params_equal(drafters[0], drafters[1])  # replicas apply one summed gradient
-    for p, q in zip(drafters[0].parameters(), reference.parameters()):
+    for p, q in zip(drafters[0].parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
@@ -458,7 +458,8 @@ def test_queued_work_is_cancelled_when_a_target_fails(lanes):
     assert (info.value.stage, info.value.microbatch) == ("target", 2)
     assert seen == [0]  # microbatch 1 was queued behind 0 and cancelled
     assert pipe.stats()["cancelled"] >= 1
-    assert all(torch.equal(p, q) for p, q in zip(drafter.parameters(), before))  # no step
+    # No step:
+    assert all(torch.equal(p, q) for p, q in zip(drafter.parameters(), before, strict=True))
     assert_idle(lanes)
 
 
@@ -722,5 +723,5 @@ def test_gpu_pipeline_matches_the_sequential_loop(devices):
     finally:
         dispatcher.shutdown()
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
-    for p, q in zip(drafter.parameters(), reference.parameters()):
+    for p, q in zip(drafter.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)

@@ -202,12 +202,12 @@ class Model:
             self.dispatcher.shutdown(wait=False, cancel_futures=cancel_futures)
         else:
             self.lanes[lane].shutdown(wait=False, cancel_futures=cancel_futures)
-        for l in lanes:
-            self.closed[l] = True
+        for i in lanes:
+            self.closed[i] = True
         if cancel_futures:
             # Only what a worker already holds can still be pending: at most one per lane.
-            for l in lanes:
-                on_lane = [t for t in self.tasks if t.future.lane is self.lanes[l]]
+            for i in lanes:
+                on_lane = [t for t in self.tasks if t.future.lane is self.lanes[i]]
                 pending = [t for t in on_lane if not t.future.done()]
                 assert len(pending) <= 1, pending
 

@@ -3,6 +3,7 @@ a valid Chrome/Perfetto trace."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections import Counter, defaultdict
@@ -89,7 +90,7 @@ def test_export_writes_a_valid_trace_with_one_span_per_task(traced, tmp_path):
     for pid in (0, 1):
         mine = sorted((e for e in spans if e["pid"] == pid), key=lambda e: e["args"]["task"])
         assert [e["args"]["task"] for e in mine] == list(range(1, per_lane + 1))
-        for earlier, later in zip(mine, mine[1:]):  # one worker, FIFO: spans never overlap
+        for earlier, later in itertools.pairwise(mine):  # one worker, FIFO: spans never overlap
             assert later["ts"] >= earlier["ts"] + earlier["dur"] - 1e-3
         for e in mine:
             assert e["args"]["queue_wait_us"] >= 0

@@ -90,7 +90,8 @@ class HFTargetConfig:
             config = AutoConfig.from_pretrained(source, local_files_only=True)
         else:
             raise ValueError(
-                f"expected a local checkpoint directory or one of {', '.join(QWEN3_NEXT)}, got {source!r}"
+                f"expected a local checkpoint directory or one of {', '.join(QWEN3_NEXT)}, "
+                f"got {source!r}"
             )
         n = config.get_text_config().num_hidden_layers
         layers = default_layers(n) if layers is None else tuple(layers)

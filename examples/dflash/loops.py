@@ -10,8 +10,9 @@ import concurrent.futures
 import contextlib
 import copy
 import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,7 +46,8 @@ class Placement:
             devices = devices * (n_targets + n_drafters)
         if len(devices) != n_targets + n_drafters:
             raise ValueError(
-                f"expected 1 or {n_targets + n_drafters} devices for ratio {ratio}, got {len(devices)}"
+                f"expected 1 or {n_targets + n_drafters} devices for ratio {ratio}, "
+                f"got {len(devices)}"
             )
         return cls(tuple(devices[:n_targets]), tuple(devices[n_targets:]))
 
@@ -248,7 +250,7 @@ class PipelineLoop:
         """One target forward per target lane, one lane at a time: Triton compiles and
         autotunes before any two lanes could do it at once. Graph targets capture the
         batch's bucket on each lane here, outside the timed steps."""
-        for lane, stage in zip(self.target_lanes, self.targets):
+        for lane, stage in zip(self.target_lanes, self.targets, strict=True):
             if isinstance(stage, TargetGraphs):
                 stage.warmup(lane, batch, [tuple(batch["input_ids"].shape)])
             else:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import importlib.abc
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .patching import Installed
 

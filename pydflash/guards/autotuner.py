@@ -11,11 +11,13 @@ parallel before its first benchmark (Note [Compiling configs in parallel])."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import inspect
 import os
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .. import compile_queue
 from .checks import Checker
@@ -84,7 +86,9 @@ def _make_guarded_run(original_run: Callable[..., Any]) -> Callable[..., Any]:
         # The statements of Autotuner.run's hit path (_RUN_HOT_PATH), arguments in locals.
         if len(self.configs) > 1:
             arg_names = self.arg_names
-            all_args = {**dict(zip(arg_names, args)), **kwargs}
+            # Here and for the pre_hook: arg_names may outnumber args (the rest come as
+            # kwargs), and zip(..., strict=False) would add a keyword call to the hot path.
+            all_args = {**dict(zip(arg_names, args)), **kwargs}  # noqa: B905
             named = {k: v for (k, v) in all_args.items() if k in arg_names}
             key = [named[name] for name in self.keys if name in named]
             for arg in named.values():
@@ -98,7 +102,7 @@ def _make_guarded_run(original_run: Callable[..., Any]) -> Callable[..., Any]:
             config = self.configs[0]
         self.best_config = config
         if config.pre_hook is not None:
-            config.pre_hook({**dict(zip(self.arg_names, args)), **kwargs, **config.all_kwargs()})
+            config.pre_hook({**dict(zip(self.arg_names, args)), **kwargs, **config.all_kwargs()})  # noqa: B905
         return self.fn.run(*args, **kwargs, **config.all_kwargs())
 
     def tune(self: Any, key: tuple, args: tuple, kwargs: dict) -> Any:
@@ -190,10 +194,8 @@ def _precompile(autotuner: Any, args: tuple, meta: dict) -> None:
 
     def compile_config(config: Any) -> None:
         _set_thread_device(device)
-        try:
+        with contextlib.suppress(Exception):  # the benchmark meets it again, see the Note
             autotuner.fn.run(*args, grid=(1, 1, 1), warmup=True, **options, **config.all_kwargs())
-        except Exception:  # noqa: BLE001 - the benchmark meets it again, see the Note
-            pass
 
     with concurrent.futures.ThreadPoolExecutor(
         max_workers=min(threads, len(configs)), thread_name_prefix="pydflash-precompile"

@@ -10,7 +10,8 @@ import collections
 import functools
 import sys
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .after_import import ImportGuard
 from .patching import Patch
@@ -123,7 +124,7 @@ def _tensor_cache_cell(wrapper: Any) -> Any:
     closure = getattr(wrapper, "__closure__", None) or ()
     if code is None:
         return None
-    for name, cell in zip(code.co_freevars, closure):
+    for cell in closure:
         try:
             contents = cell.cell_contents
         except ValueError:

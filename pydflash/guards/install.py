@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from . import allocator, autotuner, interpreter, jit
 from .checks import Checker

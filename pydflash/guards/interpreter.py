@@ -8,7 +8,8 @@ import functools
 import os
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .checks import Checker
 from .patching import Change, Patch

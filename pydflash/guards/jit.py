@@ -9,7 +9,8 @@ import functools
 import hashlib
 import inspect
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .. import compile_queue
 from .checks import Checker

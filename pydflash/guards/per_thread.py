@@ -4,7 +4,8 @@ instance attribute, for the autotuner state Triton keeps on the shared instance.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .patching import MISSING
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .. import compile_queue
 from .after_import import ImportGuard

@@ -34,8 +34,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD_TIMEOUT_S = 900
@@ -101,7 +102,8 @@ def main() -> int:
         "sequential": [sequential],
     }
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-        for mode, result in zip(trials, pool.map(lambda mode: run_child(args, mode), trials)):
+        outcomes = pool.map(lambda mode: run_child(args, mode), trials)
+        for mode, result in zip(trials, outcomes, strict=True):
             results[mode].append(result)
             report_progress(mode, result)
     print_summary(args, results, time.perf_counter() - started)
@@ -297,7 +299,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - a broken autotuner after a bare crash
             outcomes[lane]["wrong"] = f"recompute failed: {type(exc).__name__}: {exc}"[:200]
             continue
-        error = max(relative_error(got, want) for got, want in zip(result, expected))
+        error = max(relative_error(got, want) for got, want in zip(result, expected, strict=True))
         outcomes[lane]["wrong"] = error > RELATIVE_TOLERANCE
         outcomes[lane]["max_rel_error"] = error
     return {"mode": args.child, "seconds": seconds, "lanes": outcomes, **extra}
@@ -320,7 +322,7 @@ def fla_workload(args: argparse.Namespace, device: Any) -> Workload:
     except ImportError as exc:
         raise SystemExit(
             f"needs flash-linear-attention (pip install flash-linear-attention==0.6.0): {exc}"
-        )
+        ) from exc
     batch, heads, dim = 2, 4, 128
 
     def make_inputs(lane: int) -> tuple:
@@ -394,9 +396,7 @@ def toy_workload(args: argparse.Namespace, device: Any) -> Workload:
     return make_inputs, step
 
 
-def toy_accumulate(
-    x_ptr, acc_ptr, out_ptr, n, BLOCK: tl.constexpr
-):  # noqa: F821 - set in toy_workload
+def toy_accumulate(x_ptr, acc_ptr, out_ptr, n, BLOCK: tl.constexpr):  # noqa: F821 - set in toy_workload
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # noqa: F821
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask)  # noqa: F821
