@@ -77,9 +77,7 @@ def not_run(section: str, name: str, reason: str, target: str | None = None) -> 
     return Row(section, name, None, "", target=target, note=reason, extra={"status": "not run"})
 
 
-_TARGET_RE = re.compile(
-    r"^\s*(?:(value|ratio|speedup|added)\s+)?(<=|>=|<|>)\s*([0-9.eE+-]+)\s*$"
-)
+_TARGET_RE = re.compile(r"^\s*(?:(value|ratio|speedup|added)\s+)?(<=|>=|<|>)\s*([0-9.eE+-]+)\s*$")
 
 
 def parse_target(target: str) -> tuple[str | None, str, float]:

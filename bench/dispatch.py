@@ -54,9 +54,7 @@ def stdlib_wait(executor: concurrent.futures.Executor) -> Callable[[], None]:
 
 def stdlib_as_completed(executor: concurrent.futures.Executor) -> Callable[[], None]:
     def run() -> None:
-        for _ in concurrent.futures.as_completed(
-            [executor.submit(noop) for _ in range(PIPELINED)]
-        ):
+        for _ in concurrent.futures.as_completed([executor.submit(noop) for _ in range(PIPELINED)]):
             pass
 
     return run
@@ -73,8 +71,12 @@ def measure(ctx: Context, kind: str, device: Any) -> list[Row]:
     try:
         ctx.progress(f"{kind} lane: submit→result, {reps} samples of {ROUND_TRIPS_PER_SAMPLE}")
         single = interleaved_medians(
-            {"pydflash": round_trips(lane), "pool": round_trips(pool),
-             "traced": round_trips(traced), "direct": round_trips_direct},
+            {
+                "pydflash": round_trips(lane),
+                "pool": round_trips(pool),
+                "traced": round_trips(traced),
+                "direct": round_trips_direct,
+            },
             reps,
         )
         # Tracing keeps every span until taken: do not let the record grow unbounded.
@@ -85,9 +87,12 @@ def measure(ctx: Context, kind: str, device: Any) -> list[Row]:
         batch = interleaved_medians({"pydflash": pipelined(lane), "pool": pipelined(pool)}, reps)
         ctx.progress(f"{kind} lane: {PIPELINED} submitted, stdlib wait, {reps} samples")
         stdlib = interleaved_medians(
-            {"wait": stdlib_wait(lane), "pool wait": stdlib_wait(pool),
-             "as_completed": stdlib_as_completed(lane),
-             "pool as_completed": stdlib_as_completed(pool)},
+            {
+                "wait": stdlib_wait(lane),
+                "pool wait": stdlib_wait(pool),
+                "as_completed": stdlib_as_completed(lane),
+                "pool as_completed": stdlib_as_completed(pool),
+            },
             reps,
         )
     finally:
@@ -99,20 +104,62 @@ def measure(ctx: Context, kind: str, device: Any) -> list[Row]:
     per_waited = {k: v / PIPELINED * us for k, v in stdlib.items()}
     note = "records a CUDA event per task" if kind == "gpu" else ""
     return [
-        compare(SECTION, f"{kind} lane: submit→result", per_trip["pydflash"], "us", BASELINE,
-                per_trip["pool"], TARGET_ROUND_TRIP, note, direct_call_us=per_trip["direct"],
-                samples=reps),
-        compare(SECTION, f"{kind} lane: {PIPELINED} submitted, then waited", per_task["pydflash"],
-                "us", BASELINE, per_task["pool"], TARGET_PIPELINED, note, samples=reps),
-        compare(SECTION, f"{kind} lane: {PIPELINED} submitted, concurrent.futures.wait",
-                per_waited["wait"], "us", BASELINE, per_waited["pool wait"], TARGET_STDLIB_WAIT,
-                note, samples=reps),
-        compare(SECTION, f"{kind} lane: {PIPELINED} submitted, concurrent.futures.as_completed",
-                per_waited["as_completed"], "us", BASELINE, per_waited["pool as_completed"],
-                TARGET_STDLIB_WAIT, note, samples=reps),
-        compare(SECTION, f"{kind} lane: submit→result, tracing on", per_trip["traced"], "us",
-                "tracing off", per_trip["pydflash"], None, "what recording a trace costs",
-                samples=reps),
+        compare(
+            SECTION,
+            f"{kind} lane: submit→result",
+            per_trip["pydflash"],
+            "us",
+            BASELINE,
+            per_trip["pool"],
+            TARGET_ROUND_TRIP,
+            note,
+            direct_call_us=per_trip["direct"],
+            samples=reps,
+        ),
+        compare(
+            SECTION,
+            f"{kind} lane: {PIPELINED} submitted, then waited",
+            per_task["pydflash"],
+            "us",
+            BASELINE,
+            per_task["pool"],
+            TARGET_PIPELINED,
+            note,
+            samples=reps,
+        ),
+        compare(
+            SECTION,
+            f"{kind} lane: {PIPELINED} submitted, concurrent.futures.wait",
+            per_waited["wait"],
+            "us",
+            BASELINE,
+            per_waited["pool wait"],
+            TARGET_STDLIB_WAIT,
+            note,
+            samples=reps,
+        ),
+        compare(
+            SECTION,
+            f"{kind} lane: {PIPELINED} submitted, concurrent.futures.as_completed",
+            per_waited["as_completed"],
+            "us",
+            BASELINE,
+            per_waited["pool as_completed"],
+            TARGET_STDLIB_WAIT,
+            note,
+            samples=reps,
+        ),
+        compare(
+            SECTION,
+            f"{kind} lane: submit→result, tracing on",
+            per_trip["traced"],
+            "us",
+            "tracing off",
+            per_trip["pydflash"],
+            None,
+            "what recording a trace costs",
+            samples=reps,
+        ),
     ]
 
 
@@ -130,11 +177,20 @@ def run(ctx: Context) -> list[Row]:
         reason = "needs a GPU"
         rows += [
             not_run(SECTION, "gpu lane: submit→result", reason, TARGET_ROUND_TRIP),
-            not_run(SECTION, f"gpu lane: {PIPELINED} submitted, then waited", reason,
-                    TARGET_PIPELINED),
-            not_run(SECTION, f"gpu lane: {PIPELINED} submitted, concurrent.futures.wait", reason,
-                    TARGET_STDLIB_WAIT),
-            not_run(SECTION, f"gpu lane: {PIPELINED} submitted, concurrent.futures.as_completed",
-                    reason, TARGET_STDLIB_WAIT),
+            not_run(
+                SECTION, f"gpu lane: {PIPELINED} submitted, then waited", reason, TARGET_PIPELINED
+            ),
+            not_run(
+                SECTION,
+                f"gpu lane: {PIPELINED} submitted, concurrent.futures.wait",
+                reason,
+                TARGET_STDLIB_WAIT,
+            ),
+            not_run(
+                SECTION,
+                f"gpu lane: {PIPELINED} submitted, concurrent.futures.as_completed",
+                reason,
+                TARGET_STDLIB_WAIT,
+            ),
         ]
     return rows

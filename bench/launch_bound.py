@@ -132,8 +132,7 @@ def measure(
             )
             variants["graph_run"] = lambda: wait([captured[i].run(inputs[i]) for i, _ in jobs])
             variants["graph_threads"] = lambda: wait(
-                [pools[i].submit(on_stream, streams[i], captured[i].graph.replay)
-                 for i, _ in jobs]
+                [pools[i].submit(on_stream, streams[i], captured[i].graph.replay) for i, _ in jobs]
             )
 
             def graph_sequential() -> None:
@@ -142,8 +141,9 @@ def measure(
                 sync()
 
             variants["graph_sequential"] = graph_sequential
-        ctx.progress(f"{n} models: {len(variants)} variants, {reps} samples of "
-                     f"{len(jobs)} forwards")
+        ctx.progress(
+            f"{n} models: {len(variants)} variants, {reps} samples of {len(jobs)} forwards"
+        )
         times = interleaved_medians(variants, reps)
         if trace:
             ctx.progress(f"{n} models: recording a trace")
@@ -153,15 +153,17 @@ def measure(
                     variants["graph_lanes"]()
             ctx.artifacts["trace"] = {
                 "title": f"launch-bound model on {n} lanes: eager, then graphs"
-                if gpu else f"launch-bound model on {n} CPU lanes: eager",
+                if gpu
+                else f"launch-bound model on {n} CPU lanes: eager",
                 "events": events,
             }
     finally:
         dispatcher.shutdown()
         for pool in pools:
             pool.shutdown()
-    return rows_for(n, gpu, times, skipped, len(jobs), width=width, forwards_per_model=forwards,
-                    samples=reps)
+    return rows_for(
+        n, gpu, times, skipped, len(jobs), width=width, forwards_per_model=forwards, samples=reps
+    )
 
 
 def on_stream(stream: Any, fn: Callable[..., Any], *args: Any) -> Any:
@@ -173,7 +175,11 @@ def on_stream(stream: Any, fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def rows_for(
-    n: int, gpu: bool, times: dict[str, float], skipped: dict[str, str], forwards: int,
+    n: int,
+    gpu: bool,
+    times: dict[str, float],
+    skipped: dict[str, str],
+    forwards: int,
     **extra: Any,
 ) -> list[Row]:
     per_forward = {k: v / forwards * 1e3 for k, v in times.items()}  # ms
@@ -183,24 +189,54 @@ def rows_for(
     def row(name: str, key: str, row_target: str | None = None, note: str = "") -> Row:
         if key in skipped:
             return not_run(SECTION, name, skipped[key], row_target)
-        return compare(SECTION, name, per_forward[key], "ms", BASELINE, base, row_target, note,
-                       models=n, **extra)
+        return compare(
+            SECTION,
+            name,
+            per_forward[key],
+            "ms",
+            BASELINE,
+            base,
+            row_target,
+            note,
+            models=n,
+            **extra,
+        )
 
     rows = [
-        compare(SECTION, f"{n} models: sequential eager (1 thread)", base, "ms",
-                note="the baseline", models=n, **extra),
+        compare(
+            SECTION,
+            f"{n} models: sequential eager (1 thread)",
+            base,
+            "ms",
+            note="the baseline",
+            models=n,
+            **extra,
+        ),
         row(f"{n} lanes: eager, Dispatcher", "eager_lanes"),
         row(f"{n} threads: eager, ThreadPoolExecutor + streams", "eager_threads"),
-        row(f"{n} threads: eager, parallel_apply", "eager_parallel_apply",
-            note="one stream: parallel_apply uses the device's current stream"),
+        row(
+            f"{n} threads: eager, parallel_apply",
+            "eager_parallel_apply",
+            note="one stream: parallel_apply uses the device's current stream",
+        ),
     ]
     if not gpu:
-        rows += [not_run(SECTION, f"{n} {name}", "needs a GPU (CUDA graphs)",
-                         target if key == "graph_lanes" else None) for name, key in GRAPH_ROWS]
-        rows.append(not_run(SECTION, f"{n} models: graphs, sequential replay() (1 thread)",
-                            "needs a GPU"))
+        rows += [
+            not_run(
+                SECTION,
+                f"{n} {name}",
+                "needs a GPU (CUDA graphs)",
+                target if key == "graph_lanes" else None,
+            )
+            for name, key in GRAPH_ROWS
+        ]
+        rows.append(
+            not_run(SECTION, f"{n} models: graphs, sequential replay() (1 thread)", "needs a GPU")
+        )
         return rows
-    rows += [row(f"{n} {name}", key, target if key == "graph_lanes" else None)
-             for name, key in GRAPH_ROWS]
+    rows += [
+        row(f"{n} {name}", key, target if key == "graph_lanes" else None)
+        for name, key in GRAPH_ROWS
+    ]
     rows.append(row(f"{n} models: graphs, sequential replay() (1 thread)", "graph_sequential"))
     return rows

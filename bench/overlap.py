@@ -29,8 +29,12 @@ def run(ctx: Context) -> list[Row]:
     counts = lane_counts(ctx.quick)
     if not ctx.gpus:
         return [
-            not_run(SECTION, f"busy-wait on {n} lanes of one GPU", "needs a GPU",
-                    TARGET if n == TARGET_LANES else None)
+            not_run(
+                SECTION,
+                f"busy-wait on {n} lanes of one GPU",
+                "needs a GPU",
+                TARGET if n == TARGET_LANES else None,
+            )
             for n in counts
             if n > 1
         ]
@@ -91,11 +95,23 @@ def run(ctx: Context) -> list[Row]:
         lanes = times[1]["lanes"] / times[n]["lanes"]
         threads = times[1]["threads"] / times[n]["threads"]
         rows.append(
-            compare(SECTION, f"busy-wait on {n} lanes of one GPU", lanes, "fraction", BASELINE,
-                    threads, TARGET if n == TARGET_LANES else None,
-                    "fraction of ideal overlap: T(1 lane) / T(n lanes)", lanes=n,
-                    kernel_ms=kernel_ns / 1e6, kernels_per_lane=KERNELS, ideal_ms=ideal_ms,
-                    one_lane_ms=times[1]["lanes"] * 1e3, n_lanes_ms=times[n]["lanes"] * 1e3,
-                    sequential_ms=ideal_ms * n, samples=reps)
+            compare(
+                SECTION,
+                f"busy-wait on {n} lanes of one GPU",
+                lanes,
+                "fraction",
+                BASELINE,
+                threads,
+                TARGET if n == TARGET_LANES else None,
+                "fraction of ideal overlap: T(1 lane) / T(n lanes)",
+                lanes=n,
+                kernel_ms=kernel_ns / 1e6,
+                kernels_per_lane=KERNELS,
+                ideal_ms=ideal_ms,
+                one_lane_ms=times[1]["lanes"] * 1e3,
+                n_lanes_ms=times[n]["lanes"] * 1e3,
+                sequential_ms=ideal_ms * n,
+                samples=reps,
+            )
         )
     return rows

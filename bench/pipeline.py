@@ -43,8 +43,10 @@ from pydflash.pipeline import EagerTarget
 SECTION = "pipeline"
 OVERLAP_BOUND = 1.1
 DEPTHS = (1, 2, 3, 4)
-CPU_NOTE = ("needs a GPU: on CPU lanes both stages compute on the host's shared cores, "
-            "and tiny ops hold the GIL, so the stages cannot overlap")
+CPU_NOTE = (
+    "needs a GPU: on CPU lanes both stages compute on the host's shared cores, "
+    "and tiny ops hold the GIL, so the stages cannot overlap"
+)
 
 
 @dataclasses.dataclass
@@ -60,7 +62,9 @@ class Setup:
     def batches(self, count: int) -> list[dict]:
         # Made once and reused by every loop: long sequences take seconds to generate.
         if len(self._made) < count:
-            data = MarkovTokens(self.job.target.vocab, self.job.seq, self.job.batch, seed=self.job.seed)
+            data = MarkovTokens(
+                self.job.target.vocab, self.job.seq, self.job.batch, seed=self.job.seed
+            )
             self._made = data.batches(0, count, pin=self.on_gpu)
         return self._made[:count]
 
@@ -76,7 +80,9 @@ def make_setup(ctx: Context) -> Setup:
         target = TargetConfig(layers=8, capture_layers=(1, 4, 7)) if ctx.quick else TargetConfig()
         batch = 4 if ctx.quick else 8
         job = Job(target, DrafterConfig(), seq=1024, batch=batch, accumulate=4, lr=3e-4)
-        return Setup(job, placement, steps=ctx.reps(8, 4), reps=ctx.reps(3, 2), warmup=3, on_gpu=True)
+        return Setup(
+            job, placement, steps=ctx.reps(8, 4), reps=ctx.reps(3, 2), warmup=3, on_gpu=True
+        )
     job = Job(TINY_TARGET, TINY_DRAFTER, seq=32, batch=2, accumulate=2, lr=3e-3)
     return Setup(job, placement, steps=ctx.reps(10, 3), reps=ctx.reps(3, 1), warmup=1, on_gpu=False)
 
@@ -87,8 +93,9 @@ def synchronize(setup: Setup) -> None:
             torch.cuda.synchronize(device)
 
 
-def step_time(setup: Setup, make_steps: Callable[[list[dict], int], Iterator[Any]], *,
-              run_ahead: bool = False) -> float:
+def step_time(
+    setup: Setup, make_steps: Callable[[list[dict], int], Iterator[Any]], *, run_ahead: bool = False
+) -> float:
     """Median over repetitions of (wall time of `steps` steps) / steps, in seconds, after
     `warmup` steps. Each repetition runs on data it has not seen. With run_ahead (a loop
     that keeps microbatches of the next step in flight), the loop gets one step more than
@@ -126,7 +133,9 @@ def loop_times(setup: Setup, ctx: Context) -> dict[str, float]:
     ctx.progress("pipeline: sequential loop")
     models = build_models(job, placement)
     warm_targets(models, setup, warm)
-    times["sequential"] = step_time(setup, lambda b, n: sequential_steps(models, placement, job, b, n))
+    times["sequential"] = step_time(
+        setup, lambda b, n: sequential_steps(models, placement, job, b, n)
+    )
     ctx.progress("pipeline: executor loop")
     models = build_models(job, placement)
     times["executor"] = step_time(
@@ -155,7 +164,10 @@ def stage_times(setup: Setup, ctx: Context) -> dict[str, float]:
     batches = setup.batches(job.accumulate)
     try:
         inputs = [
-            {k: t.to(placement.drafters[0]) for k, t in stage.submit(target_lane, b).result().items()}
+            {
+                k: t.to(placement.drafters[0])
+                for k, t in stage.submit(target_lane, b).result().items()
+            }
             for b in batches
         ]
         synchronize(setup)  # the inputs were made on the target lane's stream
@@ -166,14 +178,18 @@ def stage_times(setup: Setup, ctx: Context) -> dict[str, float]:
             synchronize(setup)
 
         drafter_step = drafter_stage(setup, drafter_lane, drafter, optimizer, inputs)
-        return time_stages(setup, {"target": target_step, "drafter": drafter_step},
-                           lambda name: ctx.progress(f"pipeline: {name} stage alone"))
+        return time_stages(
+            setup,
+            {"target": target_step, "drafter": drafter_step},
+            lambda name: ctx.progress(f"pipeline: {name} stage alone"),
+        )
     finally:
         dispatcher.shutdown()
 
 
-def drafter_stage(setup: Setup, lane: Any, drafter: Any, optimizer: Any,
-                  inputs: list[dict]) -> Callable[[], None]:
+def drafter_stage(
+    setup: Setup, lane: Any, drafter: Any, optimizer: Any, inputs: list[dict]
+) -> Callable[[], None]:
     """One step of the drafter stage alone, as the pipeline runs it on `lane`: a
     forward/backward pass per input (already on the drafter's device), then the
     optimizer step."""
@@ -192,8 +208,11 @@ def drafter_stage(setup: Setup, lane: Any, drafter: Any, optimizer: Any,
     return step
 
 
-def time_stages(setup: Setup, stages: dict[str, Callable[[], None]],
-                announce: Callable[[str], None] = lambda name: None) -> dict[str, float]:
+def time_stages(
+    setup: Setup,
+    stages: dict[str, Callable[[], None]],
+    announce: Callable[[str], None] = lambda name: None,
+) -> dict[str, float]:
     """Median seconds per step of each stage, after `setup.warmup` untimed steps."""
     result = {}
     for name, step in stages.items():
@@ -237,9 +256,14 @@ def memory_by_depth(setup: Setup, ctx: Context) -> list[dict[str, Any]]:
             }
         finally:
             loop.close()
-        out.append({"depth": depth, "peak": stats["hidden_bytes_peak"],
-                    "per_microbatch": stats["hidden_bytes_per_microbatch"],
-                    "allocator_peak_over_start": allocator_peak})
+        out.append(
+            {
+                "depth": depth,
+                "peak": stats["hidden_bytes_peak"],
+                "per_microbatch": stats["hidden_bytes_per_microbatch"],
+                "allocator_peak_over_start": allocator_peak,
+            }
+        )
     return out
 
 
@@ -258,38 +282,66 @@ def run(ctx: Context) -> list[Row]:
 
 
 def measure(setup: Setup, ctx: Context) -> list[Row]:
-    where = (f"target {setup.placement.targets[0]}, drafter {setup.placement.drafters[0]}; "
-             f"{setup.job.tokens_per_step} tokens/step")
+    where = (
+        f"target {setup.placement.targets[0]}, drafter {setup.placement.drafters[0]}; "
+        f"{setup.job.tokens_per_step} tokens/step"
+    )
     times = loop_times(setup, ctx)
     stages = stage_times(setup, ctx)
     rows = []
     ms = {name: t * 1e3 for name, t in times.items()}
     for baseline in ("sequential", "executor"):
         ratio = times["pipeline"] / times[baseline]
-        rows.append(Row(
-            SECTION, f"pipeline step vs {baseline} loop", ms["pipeline"], "ms",
-            baseline_name=f"{baseline} loop step", baseline=ms[baseline], ratio=ratio,
-            note=where if setup.on_gpu else f"{where}; {CPU_NOTE}",
-        ))
+        rows.append(
+            Row(
+                SECTION,
+                f"pipeline step vs {baseline} loop",
+                ms["pipeline"],
+                "ms",
+                baseline_name=f"{baseline} loop step",
+                baseline=ms[baseline],
+                ratio=ratio,
+                note=where if setup.on_gpu else f"{where}; {CPU_NOTE}",
+            )
+        )
     slower = max(stages, key=stages.get)
     ratio = times["pipeline"] / stages[slower]
-    rows.append(Row(
-        SECTION, "pipeline step vs slower stage alone", ms["pipeline"], "ms",
-        baseline_name=f"{slower} stage alone", baseline=stages[slower] * 1e3, ratio=ratio,
-        target=f"<= {OVERLAP_BOUND}", met=check(ratio, OVERLAP_BOUND) if setup.on_gpu else None,
-        note=where if setup.on_gpu else f"{where}; {CPU_NOTE}",
-        extra={"target_stage_ms": stages["target"] * 1e3, "drafter_stage_ms": stages["drafter"] * 1e3,
-               "sum_of_stages_ms": (stages["target"] + stages["drafter"]) * 1e3},
-    ))
+    rows.append(
+        Row(
+            SECTION,
+            "pipeline step vs slower stage alone",
+            ms["pipeline"],
+            "ms",
+            baseline_name=f"{slower} stage alone",
+            baseline=stages[slower] * 1e3,
+            ratio=ratio,
+            target=f"<= {OVERLAP_BOUND}",
+            met=check(ratio, OVERLAP_BOUND) if setup.on_gpu else None,
+            note=where if setup.on_gpu else f"{where}; {CPU_NOTE}",
+            extra={
+                "target_stage_ms": stages["target"] * 1e3,
+                "drafter_stage_ms": stages["drafter"] * 1e3,
+                "sum_of_stages_ms": (stages["target"] + stages["drafter"]) * 1e3,
+            },
+        )
+    )
     for m in memory_by_depth(setup, ctx):
         ratio = m["peak"] / m["per_microbatch"]
-        rows.append(Row(
-            SECTION, f"hidden-state bytes held, depth {m['depth']}", m["peak"], "bytes",
-            baseline_name="one microbatch's hidden states", baseline=m["per_microbatch"], ratio=ratio,
-            target=f"<= {m['depth']}", met=check(ratio, m["depth"]),
-            note="peak of target results not yet consumed plus their drafter-side copies",
-            extra={"allocator_peak_over_start_bytes": m["allocator_peak_over_start"]},
-        ))
+        rows.append(
+            Row(
+                SECTION,
+                f"hidden-state bytes held, depth {m['depth']}",
+                m["peak"],
+                "bytes",
+                baseline_name="one microbatch's hidden states",
+                baseline=m["per_microbatch"],
+                ratio=ratio,
+                target=f"<= {m['depth']}",
+                met=check(ratio, m["depth"]),
+                note="peak of target results not yet consumed plus their drafter-side copies",
+                extra={"allocator_peak_over_start_bytes": m["allocator_peak_over_start"]},
+            )
+        )
     return rows
 
 
@@ -298,8 +350,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
-    ctx = Context(quick=args.quick, gpus=torch.cuda.device_count(),
-                  progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+    ctx = Context(
+        quick=args.quick,
+        gpus=torch.cuda.device_count(),
+        progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
+    )
     rows = run(ctx)
     verdicts = {True: "met", False: "not met", None: "n/a (see note)"}
     for row in rows:

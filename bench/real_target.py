@@ -159,8 +159,11 @@ def measure_size(ctx: Context, options: Options, size: str) -> list[Row]:
         rows += pipeline_steps(ctx, options, bench, models)
         del models
         torch.cuda.empty_cache()  # the compile child needs the memory more than this process
-    limit = options.compile_timeout if options.compile_timeout is not None else (
-        60.0 if ctx.quick else 180.0)
+    limit = (
+        options.compile_timeout
+        if options.compile_timeout is not None
+        else (60.0 if ctx.quick else 180.0)
+    )
     if size in options.compile_sizes and limit > 0:
         rows += compiled_rows(ctx, options, bench, size, limit)
     return rows
@@ -202,7 +205,8 @@ def target_steps(ctx: Context, options: Options, bench: Bench, model: torch.nn.M
                 fns = {
                     "sequential": lambda n=n: sequential_step(bench, forward, batches[:n]),
                     "executor": lambda n=n, pool=pool, streams=streams: executor_step(
-                        bench, forward, batches[:n], pool, streams),
+                        bench, forward, batches[:n], pool, streams
+                    ),
                     "lanes": lambda n=n: lanes_step(bench, eager, lanes[:n], batches[:n]),
                 }
                 if graphs is not None:
@@ -210,8 +214,14 @@ def target_steps(ctx: Context, options: Options, bench: Bench, model: torch.nn.M
                 times = interleaved_medians(fns, reps)
             rows += target_rows(bench, n, times, graphs)
         if graphs is None:
-            rows.append(not_run(SECTION, f"{bench.name}, {n_lanes(most)}: target step, graph lanes",
-                                NEEDS_GPU, target=GRAPH_STEP_GOAL))
+            rows.append(
+                not_run(
+                    SECTION,
+                    f"{bench.name}, {n_lanes(most)}: target step, graph lanes",
+                    NEEDS_GPU,
+                    target=GRAPH_STEP_GOAL,
+                )
+            )
     finally:
         dispatcher.shutdown()
     return rows
@@ -228,8 +238,13 @@ def sequential_step(bench: Bench, forward: Callable, batches: list[dict]) -> Non
     bench.synchronize()
 
 
-def executor_step(bench: Bench, forward: Callable, batches: list[dict],
-                  pool: concurrent.futures.Executor, streams: list[Any]) -> None:
+def executor_step(
+    bench: Bench,
+    forward: Callable,
+    batches: list[dict],
+    pool: concurrent.futures.Executor,
+    streams: list[Any],
+) -> None:
     def one(i: int) -> None:
         with torch.no_grad():
             if streams[i] is None:
@@ -254,8 +269,11 @@ def lanes_step(bench: Bench, stage: Any, lanes: list, batches: list[dict]) -> No
 
 def target_rows(bench: Bench, n: int, times: dict[str, float], graphs: Any) -> list[Row]:
     seq, ex = times["sequential"], times["executor"]
-    names = {"executor": "ThreadPoolExecutor + streams", "lanes": "eager lanes",
-             "graphs": "graph lanes"}
+    names = {
+        "executor": "ThreadPoolExecutor + streams",
+        "lanes": "eager lanes",
+        "graphs": "graph lanes",
+    }
     rows = []
     for key, label in names.items():
         if key not in times:
@@ -264,17 +282,31 @@ def target_rows(bench: Bench, n: int, times: dict[str, float], graphs: Any) -> l
         note = f"{bench.rate(t, n)}; sequential: {bench.rate(seq, n)}"
         if key != "executor":
             note += f"; x{t / ex:.3f} vs ThreadPoolExecutor ({ex * 1e3:.3f} ms)"
-        extra = {"executor_ms": ex * 1e3, "ratio_vs_executor": t / ex,
-                 "samples_per_s": n * bench.job.batch / t,
-                 "tokens_per_s": n * bench.job.batch * bench.job.seq / t}
+        extra = {
+            "executor_ms": ex * 1e3,
+            "ratio_vs_executor": t / ex,
+            "samples_per_s": n * bench.job.batch / t,
+            "tokens_per_s": n * bench.job.batch * bench.job.seq / t,
+        }
         if key == "graphs":
             stats = graphs.stats()
             extra["graphs"] = stats
             if stats["fallbacks"]:
                 note += f"; ran eagerly: {'; '.join(stats['fallbacks'])}"
         goal = GRAPH_STEP_GOAL if key == "graphs" and n == 4 and bench.size == "small" else None
-        rows.append(compare(SECTION, f"{bench.name}, {n_lanes(n)}: target step, {label}", t * 1e3, "ms",
-                            "eager sequential", seq * 1e3, goal, note, **extra))
+        rows.append(
+            compare(
+                SECTION,
+                f"{bench.name}, {n_lanes(n)}: target step, {label}",
+                t * 1e3,
+                "ms",
+                "eager sequential",
+                seq * 1e3,
+                goal,
+                note,
+                **extra,
+            )
+        )
     return rows
 
 
@@ -282,15 +314,24 @@ def target_rows(bench: Bench, n: int, times: dict[str, float], graphs: Any) -> l
 def pipeline_steps(ctx: Context, options: Options, bench: Bench, models: Any) -> list[Row]:
     job, placement = bench.job, bench.placement
     steps = options.pipeline_steps or (3 if ctx.quick else 8)
-    setup = Setup(job, placement, steps=steps, reps=1 if ctx.quick else 3,
-                  warmup=1 if ctx.quick else 2, on_gpu=bench.on_gpu)
+    setup = Setup(
+        job,
+        placement,
+        steps=steps,
+        reps=1 if ctx.quick else 3,
+        warmup=1 if ctx.quick else 2,
+        on_gpu=bench.on_gpu,
+    )
     warm = setup.batches(1)[0]
     times, graph_stats = {}, None
     ctx.progress(f"{bench.name}: sequential loop")
-    times["sequential"] = step_time(setup, lambda b, n: sequential_steps(models, placement, job, b, n))
+    times["sequential"] = step_time(
+        setup, lambda b, n: sequential_steps(models, placement, job, b, n)
+    )
     ctx.progress(f"{bench.name}: ThreadPoolExecutor loop")
     times["executor"] = step_time(
-        setup, lambda b, n: executor_steps(models, placement, job, b, n, depth=2))
+        setup, lambda b, n: executor_steps(models, placement, job, b, n, depth=2)
+    )
     for graphs in (False, True) if bench.on_gpu else (False,):
         ctx.progress(f"{bench.name}: pipeline, {'graph' if graphs else 'eager'} target")
         loop = PipelineLoop(models, placement, job, depth=2, graphs=graphs)
@@ -301,12 +342,22 @@ def pipeline_steps(ctx: Context, options: Options, bench: Bench, models: Any) ->
                 graph_stats = loop.graph_stats()
         finally:
             loop.close()
-    where = (f"{len(placement.targets)} target lane(s), 1 drafter lane on {bench.device}; "
-             f"{job.accumulate} microbatches per step")
+    where = (
+        f"{len(placement.targets)} target lane(s), 1 drafter lane on {bench.device}; "
+        f"{job.accumulate} microbatches per step"
+    )
     seq, ex = times["sequential"], times["executor"]
-    rows = [compare(SECTION, f"{bench.name}: pipeline step, ThreadPoolExecutor loop", ex * 1e3, "ms",
-                    "sequential loop", seq * 1e3,
-                    note=f"{where}; {bench.rate(ex, job.accumulate)}")]
+    rows = [
+        compare(
+            SECTION,
+            f"{bench.name}: pipeline step, ThreadPoolExecutor loop",
+            ex * 1e3,
+            "ms",
+            "sequential loop",
+            seq * 1e3,
+            note=f"{where}; {bench.rate(ex, job.accumulate)}",
+        )
+    ]
     for key, label in (("eager", "eager target"), ("graphs", "graph target")):
         name = f"{bench.name}: pipeline step, {label}"
         if key not in times:
@@ -314,25 +365,49 @@ def pipeline_steps(ctx: Context, options: Options, bench: Bench, models: Any) ->
             continue
         t = times[key]
         goal = PIPELINE_GOAL if key == "graphs" and bench.size == "small" else None
-        note = (f"{where}; {bench.rate(t, job.accumulate)}; x{t / seq:.3f} vs the sequential "
-                f"loop ({seq * 1e3:.3f} ms)")
+        note = (
+            f"{where}; {bench.rate(t, job.accumulate)}; x{t / seq:.3f} vs the sequential "
+            f"loop ({seq * 1e3:.3f} ms)"
+        )
         extra = {"sequential_ms": seq * 1e3, "samples_per_s": job.accumulate * job.batch / t}
         if graph_stats is not None and key == "graphs":
             extra["graphs"] = graph_stats
-        rows.append(compare(SECTION, name, t * 1e3, "ms", "ThreadPoolExecutor loop, eager target",
-                            ex * 1e3, goal, note, **extra))
+        rows.append(
+            compare(
+                SECTION,
+                name,
+                t * 1e3,
+                "ms",
+                "ThreadPoolExecutor loop, eager target",
+                ex * 1e3,
+                goal,
+                note,
+                **extra,
+            )
+        )
     return rows
 
 
 # --- torch.compile ---------------------------------------------------------------------------
-def compiled_rows(ctx: Context, options: Options, bench: Bench, size: str, limit: float) -> list[Row]:
+def compiled_rows(
+    ctx: Context, options: Options, bench: Bench, size: str, limit: float
+) -> list[Row]:
     threads = max(options.lanes)
     name = f"{bench.name}: torch.compile reduce-overhead"
     threaded = f"{name}, from {threads} threads"
     ctx.progress(f"{name}: in a subprocess, at most {limit:.0f} s")
-    args = ["--compile-child", size, "--batch", str(bench.job.batch),
-            f"--seq-{size}", str(bench.job.seq), "--lanes", str(threads),
-            "--reps", str(options.reps or (5 if ctx.quick else 20))]
+    args = [
+        "--compile-child",
+        size,
+        "--batch",
+        str(bench.job.batch),
+        f"--seq-{size}",
+        str(bench.job.seq),
+        "--lanes",
+        str(threads),
+        "--reps",
+        str(options.reps or (5 if ctx.quick else 20)),
+    ]
     if options.moe:
         args.append("--moe")
     report, failure = compile_child([sys.executable, "-m", "bench.real_target", *args], limit)
@@ -343,23 +418,38 @@ def compiled_rows(ctx: Context, options: Options, bench: Bench, size: str, limit
         why = failure or "it ended early"
         rows.append(not_run(SECTION, name, f"no step time: after '{phase}', {why}"))
     else:
-        rows.append(compare(
-            SECTION, name, step["compiled_ms"], "ms", "eager, same process", step["eager_ms"],
-            note=f"first call (compile and capture) {report['first_call_s']:.1f} s; "
-                 f"{bench.rate(step['compiled_ms'] / 1e3, 1)}"
-                 + (f"; {report['cudagraphs_skipped']}" if "cudagraphs_skipped" in report else ""),
-            first_call_s=report["first_call_s"]))
+        rows.append(
+            compare(
+                SECTION,
+                name,
+                step["compiled_ms"],
+                "ms",
+                "eager, same process",
+                step["eager_ms"],
+                note=f"first call (compile and capture) {report['first_call_s']:.1f} s; "
+                f"{bench.rate(step['compiled_ms'] / 1e3, 1)}"
+                + (f"; {report['cudagraphs_skipped']}" if "cudagraphs_skipped" in report else ""),
+                first_call_s=report["first_call_s"],
+            )
+        )
     threads_report = report.get("threads")
     if threads_report is None:
         rows.append(not_run(SECTION, threaded, "not reached: " + (failure or "see the row above")))
     elif threads_report["error"]:
         rows.append(not_run(SECTION, threaded, f"fails: {threads_report['error']}"))
     else:
-        rows.append(compare(
-            SECTION, threaded, threads_report["compiled_ms"], "ms",
-            f"eager sequential, {threads} forwards", threads_report["eager_ms"],
-            note=f"{threads} threads at once, outputs equal to one thread's; "
-                 f"{bench.rate(threads_report['compiled_ms'] / 1e3, threads)}"))
+        rows.append(
+            compare(
+                SECTION,
+                threaded,
+                threads_report["compiled_ms"],
+                "ms",
+                f"eager sequential, {threads} forwards",
+                threads_report["eager_ms"],
+                note=f"{threads} threads at once, outputs equal to one thread's; "
+                f"{bench.rate(threads_report['compiled_ms'] / 1e3, threads)}",
+            )
+        )
     return rows
 
 
@@ -367,11 +457,19 @@ def compile_child(command: list[str], limit: float) -> tuple[dict[str, Any], str
     """Runs the child; returns what it reported (its JSON lines, merged) and why it
     stopped early (None when it finished). At `limit` the child is killed with its
     process group: inductor starts compile workers of its own."""
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.Popen(command, cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    }
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     failure = None
     try:
         out, err = proc.communicate(timeout=limit)
@@ -396,6 +494,7 @@ def compile_child(command: list[str], limit: float) -> tuple[dict[str, Any], str
 def compile_main(size: str, options: Options) -> None:
     """The child: builds the target, compiles its forward and reports each phase as a
     JSON line as soon as it is done, so a parent that kills it knows how far it got."""
+
     def say(**fields: Any) -> None:
         print(json.dumps(fields), flush=True)
 
@@ -403,8 +502,14 @@ def compile_main(size: str, options: Options) -> None:
     config = HFTargetConfig.load(SIZES[size][0], moe=options.moe)
     model = config.build(torch.bfloat16).to("cuda:0")
     forward = target_forward(model)
-    job = Job(config, DrafterConfig(), seq=options.seq_of(size, False), batch=options.batch,
-              accumulate=1, lr=0.0)
+    job = Job(
+        config,
+        DrafterConfig(),
+        seq=options.seq_of(size, False),
+        batch=options.batch,
+        accumulate=1,
+        lr=0.0,
+    )
     bench = Bench(size, size, job, Placement(("cuda:0",), ("cuda:0",)), True)
     threads = max(options.lanes)
     batches = bench.batches(threads)
@@ -416,16 +521,23 @@ def compile_main(size: str, options: Options) -> None:
     bench.synchronize()
     say(phase="first call", first_call_s=time.perf_counter() - start)
     reps = options.reps or 20
-    times = interleaved_medians({
-        "compiled": lambda: sequential_step(bench, compiled, batches[:1]),
-        "eager": lambda: sequential_step(bench, forward, batches[:1]),
-    }, reps)
-    say(phase="timed", step={"compiled_ms": times["compiled"] * 1e3, "eager_ms": times["eager"] * 1e3})
+    times = interleaved_medians(
+        {
+            "compiled": lambda: sequential_step(bench, compiled, batches[:1]),
+            "eager": lambda: sequential_step(bench, forward, batches[:1]),
+        },
+        reps,
+    )
+    say(
+        phase="timed",
+        step={"compiled_ms": times["compiled"] * 1e3, "eager_ms": times["eager"] * 1e3},
+    )
     say(phase="threads", threads=threaded_calls(bench, compiled, forward, batches))
 
 
-def threaded_calls(bench: Bench, compiled: Callable, forward: Callable,
-                   batches: list[dict]) -> dict[str, Any]:
+def threaded_calls(
+    bench: Bench, compiled: Callable, forward: Callable, batches: list[dict]
+) -> dict[str, Any]:
     """Calls `compiled` from len(batches) threads at once (a stream each on a GPU,
     started on a barrier); the outputs must equal those of one thread's calls."""
     with torch.no_grad():
@@ -457,7 +569,8 @@ def threaded_calls(bench: Bench, compiled: Callable, forward: Callable,
             list(pool.map(call, range(n)))
             samples.append(time.perf_counter() - start)
     eager = statistics.median(
-        _timed(lambda: sequential_step(bench, forward, batches)) for _ in range(5))
+        _timed(lambda: sequential_step(bench, forward, batches)) for _ in range(5)
+    )
     return {"error": None, "compiled_ms": statistics.median(samples) * 1e3, "eager_ms": eager * 1e3}
 
 
@@ -479,35 +592,59 @@ _counts = counts_arg("lane", "1,2,4")
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="Other arguments go to bench.run (--quick, --json, --plot).")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Other arguments go to bench.run (--quick, --json, --plot).",
+    )
     p.add_argument("--sizes", type=_names, default=Options.sizes)
     p.add_argument("--lanes", type=_counts, default=Options.lanes, help="lane counts, e.g. 1,2,4")
     p.add_argument("--batch", type=int, default=Options.batch, help="sequences per microbatch")
     for size, (_, full, short) in SIZES.items():
-        p.add_argument(f"--seq-{size}", type=int, help=f"tokens per sequence (default {full}, "
-                                                      f"{short} with --quick)")
-    p.add_argument("--reps", type=int, help="target-step samples per alternative (default 20, 5 quick)")
+        p.add_argument(
+            f"--seq-{size}",
+            type=int,
+            help=f"tokens per sequence (default {full}, {short} with --quick)",
+        )
+    p.add_argument(
+        "--reps", type=int, help="target-step samples per alternative (default 20, 5 quick)"
+    )
     p.add_argument("--pipeline-steps", type=int, help="timed pipeline steps (default 8, 3 quick)")
     p.add_argument("--accumulate", type=int, default=Options.accumulate)
     p.add_argument("--ratio", default=Options.ratio, help="pipeline target:drafter lanes")
     p.add_argument("--moe", action="store_true", help="MoE blocks instead of a dense MLP")
-    p.add_argument("--compile-timeout", type=float,
-                   help="seconds for the torch.compile subprocess (default 180, 60 quick; 0 skips)")
-    p.add_argument("--compile-sizes", type=_names, default=Options.compile_sizes,
-                   help="sizes whose forward torch.compile also runs (default: small)")
-    p.add_argument("--compile-only", action="store_true",
-                   help="only the torch.compile rows, for --compile-sizes")
+    p.add_argument(
+        "--compile-timeout",
+        type=float,
+        help="seconds for the torch.compile subprocess (default 180, 60 quick; 0 skips)",
+    )
+    p.add_argument(
+        "--compile-sizes",
+        type=_names,
+        default=Options.compile_sizes,
+        help="sizes whose forward torch.compile also runs (default: small)",
+    )
+    p.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="only the torch.compile rows, for --compile-sizes",
+    )
     p.add_argument("--compile-child", choices=list(SIZES), help=argparse.SUPPRESS)
     return p.parse_known_args(argv)
 
 
 def options_of(args: argparse.Namespace) -> Options:
     return Options(
-        sizes=args.sizes, lanes=args.lanes, batch=args.batch,
-        seq={size: getattr(args, f"seq_{size}") for size in SIZES}, reps=args.reps,
-        pipeline_steps=args.pipeline_steps, accumulate=args.accumulate, ratio=args.ratio,
-        moe=args.moe, compile_timeout=args.compile_timeout, compile_sizes=args.compile_sizes,
+        sizes=args.sizes,
+        lanes=args.lanes,
+        batch=args.batch,
+        seq={size: getattr(args, f"seq_{size}") for size in SIZES},
+        reps=args.reps,
+        pipeline_steps=args.pipeline_steps,
+        accumulate=args.accumulate,
+        ratio=args.ratio,
+        moe=args.moe,
+        compile_timeout=args.compile_timeout,
+        compile_sizes=args.compile_sizes,
         compile_only=args.compile_only,
     )
 

@@ -75,16 +75,18 @@ def format_table(result: dict[str, Any], rows: list[Row]) -> str:
                     notes.append(f"{row.name}: {row.note}")
                 continue
             speedup = row.speedup
-            table.append((
-                row.name,
-                f"{number(row.value)} {row.unit}",
-                row.baseline_name or "",
-                f"{number(row.baseline)} {row.unit}" if row.baseline is not None else "",
-                number(row.ratio) if row.ratio is not None else "",
-                f"{number(speedup)}x" if speedup is not None else "",
-                row.target or "",
-                _met(row),
-            ))
+            table.append(
+                (
+                    row.name,
+                    f"{number(row.value)} {row.unit}",
+                    row.baseline_name or "",
+                    f"{number(row.baseline)} {row.unit}" if row.baseline is not None else "",
+                    number(row.ratio) if row.ratio is not None else "",
+                    f"{number(speedup)}x" if speedup is not None else "",
+                    row.target or "",
+                    _met(row),
+                )
+            )
             if row.note:
                 notes.append(f"{row.name}: {row.note}")
     widths = [max(len(str(line[i])) for line in table) for i in range(len(columns))]
@@ -150,7 +152,9 @@ def _figure(row: Row, metric: str) -> float | None:
 
 
 def plot(
-    result: dict[str, Any], rows: list[Row], trace: dict[str, Any] | None,
+    result: dict[str, Any],
+    rows: list[Row],
+    trace: dict[str, Any] | None,
     path: str | os.PathLike[str],
 ) -> None:
     """Bars of each section's figures against their targets, and a per-lane timeline
@@ -173,13 +177,21 @@ def plot(
         heights.append(max(2.0, 0.5 * _lane_tracks(trace["events"]) + 1.0))
     if not heights:
         heights = [1.5]
-    fig, axes = plt.subplots(len(heights), 1, figsize=(11, sum(heights) + 0.8),
-                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    fig, axes = plt.subplots(
+        len(heights),
+        1,
+        figsize=(11, sum(heights) + 0.8),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+    )
     axes = [a[0] for a in axes]
     header = result["header"]
     gpus = ", ".join(header.get("device_names") or []) or "no GPU (CPU-only figures)"
-    fig.suptitle(f"pydflash {header.get('pydflash')}, {header.get('date')}: {gpus}; "
-                 f"torch {header.get('torch')}", fontsize=9)
+    fig.suptitle(
+        f"pydflash {header.get('pydflash')}, {header.get('date')}: {gpus}; "
+        f"torch {header.get('torch')}",
+        fontsize=9,
+    )
     for ax, (section, metric, bars) in zip(axes, panels, strict=False):
         _bars(ax, section, metric, bars)
     if trace is not None:
@@ -203,15 +215,20 @@ def _bars(ax: Any, section: str, metric: str, bars: list[tuple[Row, float]]) -> 
     for y, (row, _) in enumerate(bars):
         if row.target is not None:
             _, _, bound = parse_target(row.target)
-            ax.plot([bound, bound], [y - 0.45, y + 0.45], color="black", linestyle="--",
-                    linewidth=1)
+            ax.plot(
+                [bound, bound], [y - 0.45, y + 0.45], color="black", linestyle="--", linewidth=1
+            )
     if metric in ("ratio", "speedup"):
         ax.axvline(1.0, color="gray", linestyle=":", linewidth=0.8)  # parity with the baseline
-    label = {"ratio": "ratio to baseline (value / baseline)", "value": "value",
-             "speedup": "speedup over baseline (x)",
-             "added": "added over baseline (value - baseline)"}[metric]
-    ax.set_title(f"{section}: {label}; dashed: target (green met, red missed), dotted: 1",
-                 fontsize=8)
+    label = {
+        "ratio": "ratio to baseline (value / baseline)",
+        "value": "value",
+        "speedup": "speedup over baseline (x)",
+        "added": "added over baseline (value - baseline)",
+    }[metric]
+    ax.set_title(
+        f"{section}: {label}; dashed: target (green met, red missed), dotted: 1", fontsize=8
+    )
     ax.tick_params(axis="x", labelsize=7)
 
 
@@ -235,20 +252,30 @@ def _timeline(ax: Any, trace: dict[str, Any]) -> None:
     t0 = min([e["ts"] for e in spans] + [b for b, _ in queued.values()])
     for y, (pid, tid) in enumerate(tracks):
         mine = [e for e in spans if (e["pid"], e["tid"]) == (pid, tid)]
-        ax.broken_barh([((e["ts"] - t0) / 1e3, max(e["dur"] / 1e3, 1e-4)) for e in mine],
-                       (y - 0.3, 0.7), facecolors=[cmap[e["name"]] for e in mine],
-                       edgecolor="white", linewidth=0.5)
+        ax.broken_barh(
+            [((e["ts"] - t0) / 1e3, max(e["dur"] / 1e3, 1e-4)) for e in mine],
+            (y - 0.3, 0.7),
+            facecolors=[cmap[e["name"]] for e in mine],
+            edgecolor="white",
+            linewidth=0.5,
+        )
         if tid != GPU_TID:
-            waits = [((b - t0) / 1e3, (e - b) / 1e3) for (p, _), (b, e) in queued.items()
-                     if p == pid]
+            waits = [
+                ((b - t0) / 1e3, (e - b) / 1e3) for (p, _), (b, e) in queued.items() if p == pid
+            ]
             ax.broken_barh(waits, (y - 0.45, 0.1), facecolors="lightgray")
-    ax.set_yticks(range(len(tracks)),
-                  [f"lane {pid} {'gpu' if tid == GPU_TID else 'host'}" for pid, tid in tracks],
-                  fontsize=7)
+    ax.set_yticks(
+        range(len(tracks)),
+        [f"lane {pid} {'gpu' if tid == GPU_TID else 'host'}" for pid, tid in tracks],
+        fontsize=7,
+    )
     ax.invert_yaxis()
     ax.set_xlabel("ms", fontsize=7)
     ax.tick_params(axis="x", labelsize=7)
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color=cmap[label], label=label) for label in labels], fontsize=7,
-              loc="upper right")
+    ax.legend(
+        handles=[Patch(color=cmap[label], label=label) for label in labels],
+        fontsize=7,
+        loc="upper right",
+    )

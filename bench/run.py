@@ -35,20 +35,35 @@ if not __package__:
 from . import report
 from .common import Context, Row, meets
 
-SECTIONS = ("dispatch", "overlap", "launch_bound", "compile_queue", "pipeline", "real_target",
-            "scale_out")
+SECTIONS = (
+    "dispatch",
+    "overlap",
+    "launch_bound",
+    "compile_queue",
+    "pipeline",
+    "real_target",
+    "scale_out",
+)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.run",
-                                     description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.run", description=__doc__.split("\n\n")[1]
+    )
     parser.add_argument("--quick", action="store_true", help="few iterations, small sizes (CI)")
-    parser.add_argument("--sections", type=_section_list, default=list(SECTIONS),
-                        help=f"comma-separated, from: {','.join(SECTIONS)} (default: all)")
+    parser.add_argument(
+        "--sections",
+        type=_section_list,
+        default=list(SECTIONS),
+        help=f"comma-separated, from: {','.join(SECTIONS)} (default: all)",
+    )
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="write a figure (needs matplotlib)")
-    parser.add_argument("--trace", metavar="FILE.json",
-                        help="write the Chrome/Perfetto trace recorded in launch_bound")
+    parser.add_argument(
+        "--trace",
+        metavar="FILE.json",
+        help="write the Chrome/Perfetto trace recorded in launch_bound",
+    )
     return parser.parse_args(argv)
 
 

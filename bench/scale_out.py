@@ -73,10 +73,17 @@ SCALING = 0.95  # graph lanes' goal: a speed-up of at least SCALING * N
 OVERLAP_GOAL = "<= 1.05"  # pipeline step / slower stage alone
 # NVLink multicast stays off in every process this section starts: a program using it
 # can take a shared host's GPUs out of service.
-CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-             "NVSHMEM_DISABLE_NVLS": "1"}
-WAYS = {"graphs": "graph lanes", "lanes": "eager lanes",
-        "executor": "ThreadPoolExecutor + streams", "processes": "one process per device"}
+CHILD_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+WAYS = {
+    "graphs": "graph lanes",
+    "lanes": "eager lanes",
+    "executor": "ThreadPoolExecutor + streams",
+    "processes": "one process per device",
+}
 DATA_SEED = 7  # as bench.real_target and the worker: device i's microbatch is batch i
 
 
@@ -120,8 +127,10 @@ class Setting:
 
     def batches(self, n: int) -> list[dict]:
         data = MarkovTokens(self.config.vocab, self.seq, self.batch, seed=DATA_SEED)
-        return [{k: t.to(device) for k, t in b.items()}
-                for b, device in zip(data.batches(0, n), self.devices(n), strict=True)]
+        return [
+            {k: t.to(device) for k, t in b.items()}
+            for b, device in zip(data.batches(0, n), self.devices(n), strict=True)
+        ]
 
     def synchronize(self, n: int) -> None:
         if self.on_gpu:
@@ -179,8 +188,9 @@ def measure(ctx: Context, options: Options, setting: Setting) -> list[Row]:
 
 
 # --- in one process ------------------------------------------------------------------------
-def in_process(ctx: Context, options: Options, setting: Setting, counts: list[int],
-               graphs: bool) -> tuple[dict[int, dict[str, float]], list[dict]]:
+def in_process(
+    ctx: Context, options: Options, setting: Setting, counts: list[int], graphs: bool
+) -> tuple[dict[int, dict[str, float]], list[dict]]:
     """Median seconds of a step (one forward per lane, then a synchronize of every
     device) for each count and in-process way, graph lanes only with `graphs`; and the
     graph targets' stats. (On CPU lanes TargetGraphs runs its padded eager path.)"""
@@ -215,11 +225,13 @@ def in_process(ctx: Context, options: Options, setting: Setting, counts: list[in
             with concurrent.futures.ThreadPoolExecutor(n) as pool:
                 fns: dict[str, Callable[[], None]] = {
                     "executor": lambda n=n, pool=pool: executor_step(
-                        setting, forwards[:n], batches[:n], pool, streams[:n]),
+                        setting, forwards[:n], batches[:n], pool, streams[:n]
+                    ),
                 }
                 for key, stage in stages.items():
                     fns[key] = lambda n=n, stage=stage: lanes_step(
-                        setting, stage[:n], lanes[:n], batches[:n])
+                        setting, stage[:n], lanes[:n], batches[:n]
+                    )
                 times[n] = interleaved_medians(fns, reps)
         graph_stats = [stage.stats() for stage in stages.get("graphs", [])]
     finally:
@@ -232,8 +244,13 @@ def on_device(device: Any) -> Any:
     return torch.cuda.device(device) if torch.device(device).type == "cuda" else nullcontext()
 
 
-def executor_step(setting: Setting, forwards: list, batches: list[dict],
-                  pool: concurrent.futures.Executor, streams: list[Any]) -> None:
+def executor_step(
+    setting: Setting,
+    forwards: list,
+    batches: list[dict],
+    pool: concurrent.futures.Executor,
+    streams: list[Any],
+) -> None:
     def one(i: int) -> None:
         with torch.no_grad():
             if streams[i] is None:
@@ -249,8 +266,7 @@ def executor_step(setting: Setting, forwards: list, batches: list[dict],
 
 def lanes_step(setting: Setting, stages: list, lanes: list, batches: list[dict]) -> None:
     futures = [
-        stage.submit(lane, batch)
-        for stage, lane, batch in zip(stages, lanes, batches, strict=True)
+        stage.submit(lane, batch) for stage, lane, batch in zip(stages, lanes, batches, strict=True)
     ]
     results = [future.result() for future in futures]
     setting.synchronize(len(batches))
@@ -260,15 +276,25 @@ def lanes_step(setting: Setting, stages: list, lanes: list, batches: list[dict])
 
 
 # --- one process per device ----------------------------------------------------------------
-def process_times(ctx: Context, options: Options, setting: Setting, counts: list[int],
-                  limit: float) -> tuple[dict[int, float], str | None]:
+def process_times(
+    ctx: Context, options: Options, setting: Setting, counts: list[int], limit: float
+) -> tuple[dict[int, float], str | None]:
     """Per count, the slowest rank's median step (one forward, then a synchronize), in
     seconds; and why the workers stopped early (None when they finished)."""
     world = max(counts)
     ctx.progress(f"{setting.name}: {world} worker processes, at most {limit:.0f} s")
-    args = ["--counts", ",".join(map(str, counts)), "--config", setting.config.source,
-            "--batch", str(setting.batch), "--seq", str(setting.seq),
-            "--reps", str(options.reps or (5 if ctx.quick else 20))]
+    args = [
+        "--counts",
+        ",".join(map(str, counts)),
+        "--config",
+        setting.config.source,
+        "--batch",
+        str(setting.batch),
+        "--seq",
+        str(setting.seq),
+        "--reps",
+        str(options.reps or (5 if ctx.quick else 20)),
+    ]
     if options.moe:
         args.append("--moe")
     if not setting.on_gpu:
@@ -287,32 +313,53 @@ def launch(command: list[str], world: int, limit: float) -> tuple[list[dict], st
     this host) and waits for all; returns their JSON lines and why they stopped early
     (None when every rank exited 0). When a rank fails or `limit` passes, the others
     are killed with their process groups."""
-    env = {**os.environ, **CHILD_ENV,
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0"}
+    env = {
+        **os.environ,
+        **CHILD_ENV,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "GROUP_RANK": "0",
+    }
     failure = None
     with tempfile.TemporaryDirectory(prefix="scale_out-") as folder:
-        logs = [(Path(folder) / f"{rank}.out", Path(folder) / f"{rank}.err") for rank in range(world)]
+        logs = [
+            (Path(folder) / f"{rank}.out", Path(folder) / f"{rank}.err") for rank in range(world)
+        ]
         procs: list[subprocess.Popen] = []
         try:
             for rank, (out, err) in enumerate(logs):
                 with open(out, "w") as stdout, open(err, "w") as stderr:
-                    procs.append(subprocess.Popen(
-                        command, cwd=ROOT, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                        stdout=stdout, stderr=stderr, start_new_session=True))
+                    procs.append(
+                        subprocess.Popen(
+                            command,
+                            cwd=ROOT,
+                            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                            stdout=stdout,
+                            stderr=stderr,
+                            start_new_session=True,
+                        )
+                    )
             failure = wait_all(procs, logs, limit)
         finally:
             for proc in procs:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-        reports = [json.loads(line) for out, _ in logs
-                   for line in out.read_text().splitlines() if line.startswith("{")]
+        reports = [
+            json.loads(line)
+            for out, _ in logs
+            for line in out.read_text().splitlines()
+            if line.startswith("{")
+        ]
     return reports, failure
 
 
-def wait_all(procs: list[subprocess.Popen], logs: list[tuple[Path, Path]], limit: float) -> str | None:
+def wait_all(
+    procs: list[subprocess.Popen], logs: list[tuple[Path, Path]], limit: float
+) -> str | None:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         codes = [proc.poll() for proc in procs]
@@ -337,8 +384,13 @@ def scaling_goal(n: int) -> str | None:
     return f"ratio >= {SCALING * n:g}" if n > 1 else None
 
 
-def scaling_rows(setting: Setting, counts: list[int], times: dict[int, dict[str, float]],
-                 graph_stats: list[dict], failure: str | None) -> list[Row]:
+def scaling_rows(
+    setting: Setting,
+    counts: list[int],
+    times: dict[int, dict[str, float]],
+    graph_stats: list[dict],
+    failure: str | None,
+) -> list[Row]:
     def rate(n: int, key: str) -> float | None:
         t = times.get(n, {}).get(key)
         return None if t is None else n * setting.batch / t
@@ -366,25 +418,41 @@ def scaling_rows(setting: Setting, counts: list[int], times: dict[int, dict[str,
     return rows
 
 
-def way_row(setting: Setting, n: int, key: str, name: str, goal: str | None,
-            times: dict[int, dict[str, float]], rate: Callable[[int, str], float | None]) -> Row:
+def way_row(
+    setting: Setting,
+    n: int,
+    key: str,
+    name: str,
+    goal: str | None,
+    times: dict[int, dict[str, float]],
+    rate: Callable[[int, str], float | None],
+) -> Row:
     t, value = times[n][key], rate(n, key)
     # Above one device: the speed-up over the same way on one; on one: over the executor.
     base_key = key if n > 1 else ("executor" if key != "executor" else None)
     baseline = rate(1, base_key) if base_key else None
     base_name = f"{WAYS[base_key]}, {setting.where(1)}" if baseline is not None else None
-    others = [f"x{value / other:.3f} vs {WAYS[k]}" for k in WAYS
-              if k != key and (other := rate(n, k)) is not None]
+    others = [
+        f"x{value / other:.3f} vs {WAYS[k]}"
+        for k in WAYS
+        if k != key and (other := rate(n, k)) is not None
+    ]
     note = "; ".join([f"{setting.rate(t, n)}; step {t * 1e3:.3f} ms", *others])
-    extra = {"devices": n, "way": key, "step_ms": t * 1e3, "samples_per_s": value,
-             "tokens_per_s": value * setting.seq}
+    extra = {
+        "devices": n,
+        "way": key,
+        "step_ms": t * 1e3,
+        "samples_per_s": value,
+        "tokens_per_s": value * setting.seq,
+    }
     if key == "processes":
         note += "; the slowest rank's median step"
     return compare(SECTION, name, value, "samples/s", base_name, baseline, goal, note, **extra)
 
 
-def margin_row(setting: Setting, n: int, prefix: str,
-               rate: Callable[[int, str], float | None]) -> Row:
+def margin_row(
+    setting: Setting, n: int, prefix: str, rate: Callable[[int, str], float | None]
+) -> Row:
     """Graph lanes over the ThreadPoolExecutor at n devices, against the one-device margin."""
     name = f"{prefix}: graph lanes over ThreadPoolExecutor"
     graphs, executor = rate(n, "graphs"), rate(n, "executor")
@@ -394,10 +462,18 @@ def margin_row(setting: Setting, n: int, prefix: str,
         reason = NEEDS_GPU if n <= setting.available else f"needs {n} GPUs"
         return not_run(SECTION, name, reason)
     margin = one_graphs / one_executor
-    return compare(SECTION, name, graphs, "samples/s", f"{WAYS['executor']}, same devices",
-                   executor, f"ratio >= {margin:.3f}",
-                   f"the one-device margin is x{margin:.3f} (the goal: keep it at {n} devices)",
-                   devices=n, one_device_margin=margin)
+    return compare(
+        SECTION,
+        name,
+        graphs,
+        "samples/s",
+        f"{WAYS['executor']}, same devices",
+        executor,
+        f"ratio >= {margin:.3f}",
+        f"the one-device margin is x{margin:.3f} (the goal: keep it at {n} devices)",
+        devices=n,
+        one_device_margin=margin,
+    )
 
 
 # --- pipeline across GPUs ------------------------------------------------------------------
@@ -411,16 +487,29 @@ def pipeline_row(ctx: Context, options: Options, setting: Setting, ratio: str) -
     return pipeline_figures(ctx, options, setting, placement, name)
 
 
-def pipeline_figures(ctx: Context, options: Options, setting: Setting, placement: Placement,
-                     name: str) -> Row:
+def pipeline_figures(
+    ctx: Context, options: Options, setting: Setting, placement: Placement, name: str
+) -> Row:
     """The pipeline's step with graph targets on `placement` against each stage alone
     (on CPU lanes TargetGraphs runs its padded eager path: the code runs, the figure
     means nothing)."""
-    job = Job(setting.config, setting.drafter, seq=setting.seq, batch=setting.batch,
-              accumulate=options.accumulate, lr=3e-4)
+    job = Job(
+        setting.config,
+        setting.drafter,
+        seq=setting.seq,
+        batch=setting.batch,
+        accumulate=options.accumulate,
+        lr=3e-4,
+    )
     steps = options.pipeline_steps or (3 if ctx.quick else 8)
-    setup = Setup(job, placement, steps=steps, reps=1 if ctx.quick else 3,
-                  warmup=1 if ctx.quick else 2, on_gpu=setting.on_gpu)
+    setup = Setup(
+        job,
+        placement,
+        steps=steps,
+        reps=1 if ctx.quick else 3,
+        warmup=1 if ctx.quick else 2,
+        on_gpu=setting.on_gpu,
+    )
     depth = len(placement.targets) + 1  # every target lane one microbatch ahead of the drafter
     ctx.progress(f"{name}: building the models")
     models = build_models(job, placement)
@@ -436,18 +525,31 @@ def pipeline_figures(ctx: Context, options: Options, setting: Setting, placement
         loop.close()
     peer = peer_access(placement)
     slower = max(stages, key=stages.get)
-    note = (f"targets on {', '.join(placement.targets)}, drafter on {placement.drafters[0]}; "
-            f"{job.accumulate} microbatches per step, depth {depth}; "
-            f"target alone {stages['target'] * 1e3:.3f} ms, drafter alone "
-            f"{stages['drafter'] * 1e3:.3f} ms; {setting.rate(step, job.accumulate)}")
+    note = (
+        f"targets on {', '.join(placement.targets)}, drafter on {placement.drafters[0]}; "
+        f"{job.accumulate} microbatches per step, depth {depth}; "
+        f"target alone {stages['target'] * 1e3:.3f} ms, drafter alone "
+        f"{stages['drafter'] * 1e3:.3f} ms; {setting.rate(step, job.accumulate)}"
+    )
     if peer is not None:
         note += f"; peer access {'on' if peer else 'off: torch stages the copies through the host'}"
     fallbacks = [reason for s in stats for reason in s["fallbacks"]]
     if fallbacks:
         note += f"; ran eagerly: {'; '.join(fallbacks)}"
-    return compare(SECTION, name, step * 1e3, "ms", f"{slower} stage alone", stages[slower] * 1e3,
-                   OVERLAP_GOAL, note, target_stage_ms=stages["target"] * 1e3,
-                   drafter_stage_ms=stages["drafter"] * 1e3, peer_access=peer, graphs=stats)
+    return compare(
+        SECTION,
+        name,
+        step * 1e3,
+        "ms",
+        f"{slower} stage alone",
+        stages[slower] * 1e3,
+        OVERLAP_GOAL,
+        note,
+        target_stage_ms=stages["target"] * 1e3,
+        drafter_stage_ms=stages["drafter"] * 1e3,
+        peer_access=peer,
+        graphs=stats,
+    )
 
 
 def peer_access(placement: Placement) -> bool | None:
@@ -456,15 +558,19 @@ def peer_access(placement: Placement) -> bool | None:
     targets = [torch.device(d) for d in placement.targets]
     if drafter.type != "cuda":
         return None
-    return all(t.index == drafter.index or torch.cuda.can_device_access_peer(t.index, drafter.index)
-               for t in targets)
+    return all(
+        t.index == drafter.index or torch.cuda.can_device_access_peer(t.index, drafter.index)
+        for t in targets
+    )
 
 
 def parse_ratio(ratio: str) -> int:
     """Target lanes of a "T:1" ratio (one drafter lane: the stage timed alone is one)."""
     match = re.fullmatch(r"(\d+):1", ratio)
     if match is None or int(match[1]) < 1:
-        raise ValueError(f"expected a ratio like 3:1 (target GPUs : one drafter GPU), got {ratio!r}")
+        raise ValueError(
+            f"expected a ratio like 3:1 (target GPUs : one drafter GPU), got {ratio!r}"
+        )
     return int(match[1])
 
 
@@ -480,8 +586,9 @@ def stages_alone(loop: PipelineLoop, models: Any, setup: Setup) -> dict[str, flo
     batches = setup.batches(job.accumulate)
 
     def forwards() -> list:
-        futures = [targets[k % len(lanes)].submit(lanes[k % len(lanes)], b)
-                   for k, b in enumerate(batches)]
+        futures = [
+            targets[k % len(lanes)].submit(lanes[k % len(lanes)], b) for k, b in enumerate(batches)
+        ]
         return [future.result() for future in futures]
 
     def release(results: list) -> None:
@@ -518,33 +625,59 @@ def _ratios(text: str) -> tuple[str, ...]:
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="Other arguments go to bench.run (--quick, --json, --plot).")
-    p.add_argument("--gpus", type=_counts, default=Options.counts,
-                   help="GPU counts, e.g. 1,2,4,8 (1 is always measured; counts above the "
-                        "GPUs visible are reported as not run)")
-    p.add_argument("--config", choices=[n for n in QWEN3_NEXT if n != CPU_SIZE[0]],
-                   default=Options.config, help="the target's size")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Other arguments go to bench.run (--quick, --json, --plot).",
+    )
+    p.add_argument(
+        "--gpus",
+        type=_counts,
+        default=Options.counts,
+        help="GPU counts, e.g. 1,2,4,8 (1 is always measured; counts above the "
+        "GPUs visible are reported as not run)",
+    )
+    p.add_argument(
+        "--config",
+        choices=[n for n in QWEN3_NEXT if n != CPU_SIZE[0]],
+        default=Options.config,
+        help="the target's size",
+    )
     p.add_argument("--moe", action="store_true", help="MoE blocks instead of a dense MLP")
     p.add_argument("--batch", type=int, default=Options.batch, help="sequences per microbatch")
     p.add_argument("--seq", type=int, default=Options.seq, help="tokens per sequence")
     p.add_argument("--reps", type=int, help="target-step samples per way (default 20, 5 quick)")
-    p.add_argument("--process-timeout", type=float,
-                   help="seconds for the worker processes, start-up included (default 300, 180 quick)")
+    p.add_argument(
+        "--process-timeout",
+        type=float,
+        help="seconds for the worker processes, start-up included (default 300, 180 quick)",
+    )
     p.add_argument("--no-processes", action="store_true", help="skip the one-process-per-GPU rows")
-    p.add_argument("--pipelines", type=_ratios, default=Options.pipelines,
-                   help="target:drafter GPUs of the pipeline rows, e.g. 1:1,3:1 (empty: none)")
+    p.add_argument(
+        "--pipelines",
+        type=_ratios,
+        default=Options.pipelines,
+        help="target:drafter GPUs of the pipeline rows, e.g. 1:1,3:1 (empty: none)",
+    )
     p.add_argument("--pipeline-steps", type=int, help="timed pipeline steps (default 8, 3 quick)")
-    p.add_argument("--accumulate", type=int, default=Options.accumulate,
-                   help="microbatches per pipeline step")
+    p.add_argument(
+        "--accumulate", type=int, default=Options.accumulate, help="microbatches per pipeline step"
+    )
     return p.parse_known_args(argv)
 
 
 def options_of(args: argparse.Namespace) -> Options:
     return Options(
-        counts=args.gpus, config=args.config, moe=args.moe, batch=args.batch, seq=args.seq,
-        reps=args.reps, processes=not args.no_processes, process_timeout=args.process_timeout,
-        pipelines=args.pipelines, pipeline_steps=args.pipeline_steps, accumulate=args.accumulate,
+        counts=args.gpus,
+        config=args.config,
+        moe=args.moe,
+        batch=args.batch,
+        seq=args.seq,
+        reps=args.reps,
+        processes=not args.no_processes,
+        process_timeout=args.process_timeout,
+        pipelines=args.pipelines,
+        pipeline_steps=args.pipeline_steps,
+        accumulate=args.accumulate,
     )
 
 

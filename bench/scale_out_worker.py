@@ -44,8 +44,12 @@ WARMUP = 3
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--counts", type=_counts, required=True,
-                   help="process counts to time, e.g. 1,2,4; each at most WORLD_SIZE")
+    p.add_argument(
+        "--counts",
+        type=_counts,
+        required=True,
+        help="process counts to time, e.g. 1,2,4; each at most WORLD_SIZE",
+    )
     p.add_argument("--config", choices=list(QWEN3_NEXT), default="qwen3-next-small")
     p.add_argument("--moe", action="store_true", help="MoE blocks instead of a dense MLP")
     p.add_argument("--batch", type=int, default=1, help="sequences per microbatch")
@@ -77,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             dist.barrier()
             if rank < n:
                 step_s = timed(forward, batch, device, args.reps)
-                print(json.dumps({"n": n, "rank": rank, "device": device, "step_s": step_s}),
-                      flush=True)
+                print(
+                    json.dumps({"n": n, "rank": rank, "device": device, "step_s": step_s}),
+                    flush=True,
+                )
             dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -48,10 +48,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU run in seconds")
     p.add_argument("--mode", choices=["pipeline", "sequential", "executor"], default="pipeline")
-    p.add_argument("--check", action="store_true",
-                   help="run the sequential loop, then --mode, and compare their losses")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="run the sequential loop, then --mode, and compare their losses",
+    )
     p.add_argument("--devices", nargs="+", help="lane devices: T + D entries, or one for all")
-    p.add_argument("--ratio", help="target:drafter lanes, e.g. 2:1 (default 1:1, or (n-1):1 on n GPUs)")
+    p.add_argument(
+        "--ratio", help="target:drafter lanes, e.g. 2:1 (default 1:1, or (n-1):1 on n GPUs)"
+    )
     p.add_argument("--steps", type=int)
     p.add_argument("--accumulate", type=int, help="microbatches per optimizer step")
     p.add_argument("--depth", type=int, default=2, help="microbatches in flight (prefetch depth)")
@@ -63,16 +68,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heads", type=int)
     p.add_argument("--head-dim", type=int)
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--target-model", type=Path, metavar="PATH",
-                        help="a local Hugging Face causal LM as the target "
-                        "(from_pretrained, no download)")
-    source.add_argument("--target-config", choices=list(dflash.hf.QWEN3_NEXT),
-                        help="a Qwen3-Next target built from this config, with random weights")
-    p.add_argument("--moe", action="store_true", help="--target-config with MoE blocks, not a dense MLP")
-    p.add_argument("--target-layers", type=layer_list, metavar="I,J,...",
-                   help="target layers whose outputs are the drafter's features (0-based)")
-    p.add_argument("--target-graphs", action="store_true",
-                   help="replay the target forward as CUDA graphs (pydflash.TargetGraphs)")
+    source.add_argument(
+        "--target-model",
+        type=Path,
+        metavar="PATH",
+        help="a local Hugging Face causal LM as the target (from_pretrained, no download)",
+    )
+    source.add_argument(
+        "--target-config",
+        choices=list(dflash.hf.QWEN3_NEXT),
+        help="a Qwen3-Next target built from this config, with random weights",
+    )
+    p.add_argument(
+        "--moe", action="store_true", help="--target-config with MoE blocks, not a dense MLP"
+    )
+    p.add_argument(
+        "--target-layers",
+        type=layer_list,
+        metavar="I,J,...",
+        help="target layers whose outputs are the drafter's features (0-based)",
+    )
+    p.add_argument(
+        "--target-graphs",
+        action="store_true",
+        help="replay the target forward as CUDA graphs (pydflash.TargetGraphs)",
+    )
     p.add_argument("--drafter-layers", type=int)
     p.add_argument("--block", type=int, help="drafter block size (anchor + predictions)")
     p.add_argument("--lr", type=float)
@@ -80,8 +100,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", type=Path, default=Path("out/dflash"))
     p.add_argument("--save-drafter", type=Path, help="save the trained drafter's state dict here")
-    p.add_argument("--trace", type=Path,
-                   help="write a Perfetto/Chrome trace of the pipeline's lanes here")
+    p.add_argument(
+        "--trace", type=Path, help="write a Perfetto/Chrome trace of the pipeline's lanes here"
+    )
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     for name in ("steps", "accumulate", "depth", "batch", "seq", "log_every"):
@@ -112,18 +133,29 @@ def layer_list(text: str) -> tuple[int, ...]:
 def make_target(args: argparse.Namespace) -> dflash.models.TargetConfig | dflash.hf.HFTargetConfig:
     if args.target_model or args.target_config:
         try:
-            return dflash.hf.HFTargetConfig.load(args.target_model or args.target_config,
-                                                 args.target_layers, moe=args.moe)
+            return dflash.hf.HFTargetConfig.load(
+                args.target_model or args.target_config, args.target_layers, moe=args.moe
+            )
         except ModuleNotFoundError as exc:
             raise SystemExit(
-                f"a Hugging Face target needs {exc.name}: pip install 'pydflash[hf]'") from exc
+                f"a Hugging Face target needs {exc.name}: pip install 'pydflash[hf]'"
+            ) from exc
         except (OSError, ValueError) as exc:
             raise SystemExit(f"cannot use that target: {exc}") from exc
     target = dflash.models.TINY_TARGET if args.tiny else dflash.models.TargetConfig()
     target = dataclasses.replace(
         target,
-        **{k: v for k, v in {"vocab": args.vocab, "dim": args.dim, "layers": args.layers,
-                             "heads": args.heads, "head_dim": args.head_dim}.items() if v is not None},
+        **{
+            k: v
+            for k, v in {
+                "vocab": args.vocab,
+                "dim": args.dim,
+                "layers": args.layers,
+                "heads": args.heads,
+                "head_dim": args.head_dim,
+            }.items()
+            if v is not None
+        },
     )
     if args.target_layers is not None:
         capture = args.target_layers
@@ -142,8 +174,16 @@ def make_job(args: argparse.Namespace) -> tuple[dflash.loops.Job, int]:
     drafter = dflash.models.TINY_DRAFTER if args.tiny else dflash.models.DrafterConfig()
     drafter = dataclasses.replace(
         drafter,
-        **{k: v for k, v in {"layers": args.drafter_layers, "block": args.block,
-                             "heads": args.heads, "head_dim": args.head_dim}.items() if v is not None},
+        **{
+            k: v
+            for k, v in {
+                "layers": args.drafter_layers,
+                "block": args.block,
+                "heads": args.heads,
+                "head_dim": args.head_dim,
+            }.items()
+            if v is not None
+        },
     )
     job = dflash.loops.Job(
         target=target,
@@ -164,8 +204,10 @@ def default_placement(args: argparse.Namespace, local_rank: int | None) -> dflas
     if devices is None:
         if local_rank is not None:
             if gpus and local_rank >= gpus:
-                raise SystemExit(f"local rank {local_rank} has no GPU of its own ({gpus} "
-                                 "visible): start fewer processes per node, or pass --devices")
+                raise SystemExit(
+                    f"local rank {local_rank} has no GPU of its own ({gpus} "
+                    "visible): start fewer processes per node, or pass --devices"
+                )
             devices = [f"cuda:{local_rank}" if gpus else "cpu"]
         else:
             devices = [f"cuda:{i}" for i in range(gpus)] if gpus else ["cpu"]
@@ -195,17 +237,30 @@ def synchronize(placement: dflash.loops.Placement) -> None:
             torch.cuda.synchronize(device)
 
 
-def train(mode: str, job: dflash.loops.Job, placement: dflash.loops.Placement,
-          batches: list[dict], steps: int, depth: int, *, ddp: bool, log_every: int,
-          verbose: bool, trace: Path | None = None, graphs: bool = False) -> Outcome:
+def train(
+    mode: str,
+    job: dflash.loops.Job,
+    placement: dflash.loops.Placement,
+    batches: list[dict],
+    steps: int,
+    depth: int,
+    *,
+    ddp: bool,
+    log_every: int,
+    verbose: bool,
+    trace: Path | None = None,
+    graphs: bool = False,
+) -> Outcome:
     """Trains with `mode`'s loop; rank 0 (`verbose`) logs and shows a progress bar."""
     models = dflash.loops.build_models(job, placement, ddp=ddp)
-    warm = dflash.data.MarkovTokens(job.target.vocab, job.seq, job.batch,
-                                    seed=job.seed + 1).batch(0)
+    warm = dflash.data.MarkovTokens(job.target.vocab, job.seq, job.batch, seed=job.seed + 1).batch(
+        0
+    )
     loop = None
     if mode == "pipeline":
-        loop = dflash.loops.PipelineLoop(models, placement, job, depth, trace=trace is not None,
-                                         graphs=graphs)
+        loop = dflash.loops.PipelineLoop(
+            models, placement, job, depth, trace=trace is not None, graphs=graphs
+        )
         loop.warm_up(warm)
         step_iter = loop.steps(batches, steps)
     else:
@@ -218,8 +273,10 @@ def train(mode: str, job: dflash.loops.Job, placement: dflash.loops.Placement,
             step_iter = dflash.loops.executor_steps(models, placement, job, batches, steps, depth)
     synchronize(placement)
     if verbose:
-        log(f"{mode}: target lanes {list(placement.targets)}, drafter lanes "
-            f"{list(placement.drafters)}, {job.tokens_per_step} tokens per step")
+        log(
+            f"{mode}: target lanes {list(placement.targets)}, drafter lanes "
+            f"{list(placement.drafters)}, {job.tokens_per_step} tokens per step"
+        )
     collected = []
     # disable=None: a bar only where stderr is a terminal; elsewhere the log lines alone.
     bar = tqdm(total=steps, desc=mode, unit="step", disable=None if verbose else True)
@@ -234,8 +291,10 @@ def train(mode: str, job: dflash.loops.Job, placement: dflash.loops.Placement,
                 window = step - (step - 1) // log_every * log_every
                 rate = window * job.tokens_per_step / (now - window_start)
                 if verbose:
-                    log(f"{mode} step {step}/{steps}  loss {sum(losses) / len(losses):.4f}  "
-                        f"tokens/s {rate:,.0f}")
+                    log(
+                        f"{mode} step {step}/{steps}  loss {sum(losses) / len(losses):.4f}  "
+                        f"tokens/s {rate:,.0f}"
+                    )
                 window_start = now
         synchronize(placement)
         wall = time.perf_counter() - start
@@ -271,7 +330,9 @@ def plot(curves: dict[str, list[float]], path: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no loss curve (pip install matplotlib)", file=sys.stderr)
+        print(
+            "matplotlib is not installed: no loss curve (pip install matplotlib)", file=sys.stderr
+        )
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, values in curves.items():
@@ -295,8 +356,10 @@ def compare(reference: Outcome, other: Outcome, exact: bool) -> tuple[bool, str]
         return ok, f"{other.mode} losses {verb} the sequential loop's exactly"
     worst = max(abs(x - y) / max(abs(x), 1e-6) for x, y in zip(a, b, strict=False))
     ok = len(a) == len(b) and worst <= BF16_RTOL
-    return ok, (f"{other.mode} losses vs the sequential loop: max relative difference {worst:.2e} "
-                f"({'within' if ok else 'beyond'} the bf16 tolerance {BF16_RTOL:.0e})")
+    return ok, (
+        f"{other.mode} losses vs the sequential loop: max relative difference {worst:.2e} "
+        f"({'within' if ok else 'beyond'} the bf16 tolerance {BF16_RTOL:.0e})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,8 +383,17 @@ def main(argv: list[str] | None = None) -> int:
     batches = data.batches(rank, steps * job.accumulate, stride=world, pin=pin)
     kwargs = dict(ddp=ddp, log_every=args.log_every, verbose=rank == 0)
     trace = None if args.trace is None or rank else args.trace
-    outcome = train(args.mode, job, placement, batches, steps, args.depth, trace=trace,
-                    graphs=args.target_graphs, **kwargs)
+    outcome = train(
+        args.mode,
+        job,
+        placement,
+        batches,
+        steps,
+        args.depth,
+        trace=trace,
+        graphs=args.target_graphs,
+        **kwargs,
+    )
     curves = {outcome.mode: [sum(s) / len(s) for s in outcome.losses]}
     status = 0
     check_line = None
@@ -343,8 +415,11 @@ def main(argv: list[str] | None = None) -> int:
         "world": world,
         "targets": list(placement.targets),
         "drafters": list(placement.drafters),
-        "target": ("built-in hybrid" if isinstance(job.target, dflash.models.TargetConfig)
-                   else job.target.source),
+        "target": (
+            "built-in hybrid"
+            if isinstance(job.target, dflash.models.TargetConfig)
+            else job.target.source
+        ),
         "target_layers": list(job.target.capture_layers),
         "target_graphs": outcome.graph_stats,
         "steps": steps,
@@ -364,12 +439,17 @@ def main(argv: list[str] | None = None) -> int:
         torch.save(state, args.save_drafter)
     if rank == 0:
         first, last = curves[outcome.mode][0], curves[outcome.mode][-1]
-        print(f"{outcome.mode}: loss {first:.4f} -> {last:.4f} over {steps} steps, "
-              f"{outcome.wall_s / steps * 1e3:.1f} ms/step, {tokens_per_s:,.0f} tokens/s", flush=True)
+        print(
+            f"{outcome.mode}: loss {first:.4f} -> {last:.4f} over {steps} steps, "
+            f"{outcome.wall_s / steps * 1e3:.1f} ms/step, {tokens_per_s:,.0f} tokens/s",
+            flush=True,
+        )
         if outcome.pipeline_stats is not None:
             stats = outcome.pipeline_stats
-            print(f"hidden states held: peak {stats['hidden_bytes_peak']:,} bytes at depth "
-                  f"{stats['depth']} ({stats['hidden_bytes_per_microbatch']:,} per microbatch)")
+            print(
+                f"hidden states held: peak {stats['hidden_bytes_peak']:,} bytes at depth "
+                f"{stats['depth']} ({stats['hidden_bytes_per_microbatch']:,} per microbatch)"
+            )
         for graph_stats in outcome.graph_stats or ():
             print(f"target graphs: {json.dumps(graph_stats)}")
         if not args.no_plot and plot(curves, args.out / "loss_curve.png"):

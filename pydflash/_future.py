@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import concurrent.futures._base as _base
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ._native import C
 
@@ -33,7 +34,7 @@ class Future(C.FutureBase, concurrent.futures.Future):
     def _invoke(self, callback: Callable[[Future], Any]) -> None:
         try:
             callback(self)
-        except Exception:
+        except Exception:  # noqa: BLE001 - logged and swallowed, as the stdlib's Future does
             _base.LOGGER.exception("exception calling callback for %r", self)
 
     def _failure(self) -> BaseException | None:

@@ -9,7 +9,7 @@ selection] in csrc/python/torch_abi.cpp; the worker keeps the stream current aft
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 _hooks: list[Callable[[int], None]] = []
 _hooks_lock = threading.Lock()

@@ -18,7 +18,8 @@ from __future__ import annotations
 import copy
 import os
 import threading
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ._native import C
 
@@ -36,8 +37,8 @@ def run(
     key: str, fn: Callable[[], T], *, slot: str | None = None, timeout: float | None = None
 ) -> T:
     """Runs fn() as the holder of `key`, or waits for the current holder and returns its
-    result (or raises a copy of its exception, one per caller). `slot`: a resource held exclusively while fn runs,
-    e.g. `slot_for_device(0)`. `timeout`: seconds to wait before raising
+    result (or raises a copy of its exception, one per caller). `slot`: a resource held
+    exclusively while fn runs, e.g. `slot_for_device(0)`. `timeout`: seconds to wait before raising
     pydflash.CompileQueueTimeout (default: `get_timeout()`)."""
     if not isinstance(key, str) or not key:
         raise TypeError(f"expected a non-empty str key, got {key!r}")
@@ -77,7 +78,7 @@ def _own_copy(exc: Exception) -> Exception:
     be copied."""
     try:
         mine = copy.copy(exc)
-    except Exception:
+    except Exception:  # noqa: BLE001 - any type copy.copy cannot copy is shared instead
         return exc
     if type(mine) is not type(exc):
         return exc

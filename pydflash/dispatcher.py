@@ -5,7 +5,8 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import weakref
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from . import _exit, guards
 from ._future import Future
@@ -126,7 +127,7 @@ class Dispatcher(concurrent.futures.Executor):
         try:
             futures = [
                 None if args is None else lane.submit(fn, *args)
-                for lane, args in zip(self._lanes, inputs)
+                for lane, args in zip(self._lanes, inputs, strict=True)
             ]
             concurrent.futures.wait([f for f in futures if f is not None])
             return [None if f is None else f.result() for f in futures]

@@ -120,8 +120,15 @@ class CapturedGraph(GraphWrapper):
         lane = self._lane
         with self._order:
             if not self._native:
-                return lane.submit(_replay, self.graph, self.static_inputs, inputs, ready,
-                                   self.static_outputs, clone)
+                return lane.submit(
+                    _replay,
+                    self.graph,
+                    self.static_inputs,
+                    inputs,
+                    ready,
+                    self.static_outputs,
+                    clone,
+                )
             copied = lane.submit(_copy_in, self.static_inputs, inputs, ready) if inputs else None
             launched = lane.submit_graph(self)
             launched.replace_result(self.static_outputs)
@@ -289,8 +296,12 @@ def _clone_after(copied: Future | None, launched: Future, outputs: Any) -> Any:
 
 
 def _replay(
-    graph: Any, static_inputs: tuple[Any, ...], inputs: tuple[Any, ...], ready: list[Any],
-    outputs: Any, clone: bool,
+    graph: Any,
+    static_inputs: tuple[Any, ...],
+    inputs: tuple[Any, ...],
+    ready: list[Any],
+    outputs: Any,
+    clone: bool,
 ) -> Any:
     if inputs:
         _copy_in(static_inputs, inputs, ready)

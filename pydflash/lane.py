@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ._future import Future
 from ._native import C

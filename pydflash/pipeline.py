@@ -95,7 +95,9 @@ class GraphTarget(TargetStage):
                 f"got {type(captured).__name__}"
             )
         if inputs is not None and not callable(inputs):
-            raise TypeError(f"expected inputs to be a callable or None, got {type(inputs).__name__}")
+            raise TypeError(
+                f"expected inputs to be a callable or None, got {type(inputs).__name__}"
+            )
         self.captured = captured
         self.inputs = inputs
 
@@ -285,7 +287,9 @@ class Pipeline:
         ):
             raise ValueError(f"expected clip_grad_norm > 0 or None, got {clip_grad_norm!r}")
         self.clip_grad_norm = clip_grad_norm
-        self._ddp = [isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in self._drafters]
+        self._ddp = [
+            isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in self._drafters
+        ]
         if any(self._ddp) and n_drafters > 1:
             raise ValueError(
                 "expected one drafter lane per process with DistributedDataParallel, "
@@ -316,7 +320,9 @@ class Pipeline:
         shapes = [tuple(p.shape for p in params) for params in self._params]
         for r, (module, lane) in enumerate(zip(self._drafters, self._drafter_lanes, strict=True)):
             if shapes[r] != shapes[0]:
-                raise ValueError(f"expected drafter replicas of one shape, drafter {r} differs from 0")
+                raise ValueError(
+                    f"expected drafter replicas of one shape, drafter {r} differs from 0"
+                )
             expected = torch.device(lane.device)
             for p in module.parameters():
                 if p.device != expected:
@@ -343,7 +349,9 @@ class Pipeline:
         try:
             batch_iter = iter(batches)
         except TypeError:
-            raise TypeError(f"expected an iterable of batches, got {type(batches).__name__}") from None
+            raise TypeError(
+                f"expected an iterable of batches, got {type(batches).__name__}"
+            ) from None
         self._check_usable()
         return self._drive(batch_iter, steps)
 
@@ -425,7 +433,10 @@ class Pipeline:
             self._fail(_stage_error("target", k, t_lane, exc))
             self._raise_failure()
         self._track(
-            target, "target", k, t_lane,
+            target,
+            "target",
+            k,
+            t_lane,
             on_result=lambda f: self._hold(k, sum(t.nbytes for t in tensors(f.result()))),
         )
         try:
@@ -489,11 +500,15 @@ class Pipeline:
         self._hold(k, moved_bytes)
         model = self._drafters[replica]
         try:
-            no_sync = model.no_sync() if self._ddp[replica] and not sync else contextlib.nullcontext()
+            no_sync = (
+                model.no_sync() if self._ddp[replica] and not sync else contextlib.nullcontext()
+            )
             with no_sync, torch.enable_grad():
                 loss = self._loss(model, inputs)
                 if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-                    raise TypeError(f"expected loss() to return a scalar tensor, got {_describe(loss)}")
+                    raise TypeError(
+                        f"expected loss() to return a scalar tensor, got {_describe(loss)}"
+                    )
                 # Backward on this thread, so it sees the lane's streams and thread state.
                 with torch.autograd.set_multithreading_enabled(False):
                     (loss / self.accumulate).backward()
@@ -689,7 +704,6 @@ class Pipeline:
         )
 
 
-
 # --- helpers ------------------------------------------------------------------------------
 def _input_of(future: Future) -> Any:
     """The result of an earlier stage's future; _Upstream when it failed or was cancelled."""
@@ -718,7 +732,9 @@ def _stage_error(
 ) -> PipelineError:
     if isinstance(exc, PipelineError):
         return exc
-    where = f" on microbatch {k}" if k is not None else (f" of step {step}" if step is not None else "")
+    where = (
+        f" on microbatch {k}" if k is not None else (f" of step {step}" if step is not None else "")
+    )
     on = f" on {lane.label}" if lane is not None else ""
     error = PipelineError(
         f"{stage} stage failed{where}{on}: {type(exc).__name__}: {exc}",
@@ -753,7 +769,9 @@ def _lanes(lanes: Any, name: str) -> list[Lane]:
     try:
         lanes = list(lanes)
     except TypeError:
-        raise TypeError(f"expected {name} to be pydflash lanes, got {type(lanes).__name__}") from None
+        raise TypeError(
+            f"expected {name} to be pydflash lanes, got {type(lanes).__name__}"
+        ) from None
     if not lanes:
         raise ValueError(f"expected at least one lane in {name}, got none")
     for lane in lanes:
@@ -789,7 +807,9 @@ def _per_lane(
 
 
 def _is_target(value: Any) -> bool:
-    return isinstance(value, TargetStage) or (callable(value) and not isinstance(value, (list, tuple)))
+    return isinstance(value, TargetStage) or (
+        callable(value) and not isinstance(value, (list, tuple))
+    )
 
 
 def _is_module(value: Any) -> bool:

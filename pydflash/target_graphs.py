@@ -290,18 +290,25 @@ class TargetGraphs(TargetStage):
             raise TypeError(f"expected a callable target, got {type(fn).__name__}")
         self.fn = fn
         self.lengths = _sorted_sizes(lengths, "lengths")
-        self.batch_sizes = None if batch_sizes is None else _sorted_sizes(batch_sizes, "batch_sizes")
+        self.batch_sizes = (
+            None if batch_sizes is None else _sorted_sizes(batch_sizes, "batch_sizes")
+        )
         if not isinstance(pad_value, (int, float, dict)) or isinstance(pad_value, bool):
-            raise TypeError(f"expected pad_value as a number or a dict, got {type(pad_value).__name__}")
+            raise TypeError(
+                f"expected pad_value as a number or a dict, got {type(pad_value).__name__}"
+            )
         self.pad_value = pad_value
         self.warmup_calls = _count(warmup, "warmup", minimum=0)
         self.ring = _count(ring, "ring", minimum=0)
-        self.max_pool_bytes = None if max_pool_bytes is None else _count(
-            max_pool_bytes, "max_pool_bytes", minimum=1)
+        self.max_pool_bytes = (
+            None if max_pool_bytes is None else _count(max_pool_bytes, "max_pool_bytes", minimum=1)
+        )
         if on_full not in ON_FULL:
             raise ValueError(f"expected on_full in {ON_FULL}, got {on_full!r}")
         self.on_full = on_full
-        self.max_graphs = None if max_graphs is None else _count(max_graphs, "max_graphs", minimum=1)
+        self.max_graphs = (
+            None if max_graphs is None else _count(max_graphs, "max_graphs", minimum=1)
+        )
         self._lock = threading.Lock()
         self._lanes: dict[Lane, _LaneGraphs] = {}
         self._warned: set[str] = set()
@@ -335,8 +342,12 @@ class TargetGraphs(TargetStage):
             if ring.give_back(first, event):
                 return
 
-    def warmup(self, lanes: Sequence[Lane] | Lane, example: Any,
-               shapes: Iterable[tuple[int, int]] | None = None) -> dict[str, Any]:
+    def warmup(
+        self,
+        lanes: Sequence[Lane] | Lane,
+        example: Any,
+        shapes: Iterable[tuple[int, int]] | None = None,
+    ) -> dict[str, Any]:
         """Captures ahead: on every lane, the bucket of each (batch, length) in `shapes`
         (default: every length bucket at the example's batch size), from `example` padded
         or cut to that shape. Lanes capture at once; returns stats()."""
@@ -347,8 +358,13 @@ class TargetGraphs(TargetStage):
             shapes = [(b, length) for length in self.lengths]
         pads = self._pads(example, leaves)
         batches = [
-            pytree.tree_unflatten([_resize(x, Bucket(batch, length), pad)
-                                   for x, pad in zip(leaves, pads, strict=True)], spec)
+            pytree.tree_unflatten(
+                [
+                    _resize(x, Bucket(batch, length), pad)
+                    for x, pad in zip(leaves, pads, strict=True)
+                ],
+                spec,
+            )
             for batch, length in shapes
         ]
         futures = [self.submit(lane, batch) for lane in lanes for batch in batches]
@@ -386,9 +402,14 @@ class TargetGraphs(TargetStage):
             bucket = choose_bucket(b, t, self.lengths, self.batch_sizes)
             if bucket is None:
                 limit = f"{self.lengths[-1]}" + (
-                    "" if self.batch_sizes is None else f" x batch {self.batch_sizes[-1]}")
-                return self._eager(state, batch, "too long",
-                                   f"a batch of {b} x {t} is above the largest bucket ({limit})")
+                    "" if self.batch_sizes is None else f" x batch {self.batch_sizes[-1]}"
+                )
+                return self._eager(
+                    state,
+                    batch,
+                    "too long",
+                    f"a batch of {b} x {t} is above the largest bucket ({limit})",
+                )
             pads = self._pads(batch, leaves)
             key = (bucket, spec, _signature(leaves))
             if key in state.eager:
@@ -398,7 +419,8 @@ class TargetGraphs(TargetStage):
                 out_leaves, out_spec = pytree.tree_flatten(out)
                 cut = [_cut(x, _cut_kind(x, bucket), b, t) for x in out_leaves]
                 return pytree.tree_unflatten(
-                    [x.clone() if isinstance(x, torch.Tensor) else x for x in cut], out_spec)
+                    [x.clone() if isinstance(x, torch.Tensor) else x for x in cut], out_spec
+                )
             graph = state.graphs.get(key)
             if graph is None:
                 padded = self._padded(leaves, pads, bucket)
@@ -435,8 +457,15 @@ class TargetGraphs(TargetStage):
                 out.append(x)
         return pytree.tree_unflatten(out, graph.out_spec)
 
-    def _capture(self, state: _LaneGraphs, lane: Lane, key: tuple, bucket: Bucket,
-                 padded: list[Any], spec: Any) -> _Graph | None:
+    def _capture(
+        self,
+        state: _LaneGraphs,
+        lane: Lane,
+        key: tuple,
+        bucket: Bucket,
+        padded: list[Any],
+        spec: Any,
+    ) -> _Graph | None:
         if self.max_graphs is not None:
             while len(state.graphs) >= self.max_graphs:
                 state.graphs.popitem(last=False)
@@ -463,8 +492,14 @@ class TargetGraphs(TargetStage):
             except RuntimeError as exc:
                 return f"capture failed: {_first_line(exc)}"
             out_leaves, out_spec = pytree.tree_flatten(out)
-            return _Graph(graph, static, out_leaves, out_spec,
-                          [_cut_kind(x, bucket) for x in out_leaves], bucket)
+            return _Graph(
+                graph,
+                static,
+                out_leaves,
+                out_spec,
+                [_cut_kind(x, bucket) for x in out_leaves],
+                bucket,
+            )
 
         captured = compile_queue.run(f"{name} on {lane.label}", capture, slot=name)
         if isinstance(captured, str):
@@ -494,8 +529,9 @@ class TargetGraphs(TargetStage):
             first = kind not in self._warned
             self._warned.add(kind)
         if first:
-            warnings.warn(f"pydflash.TargetGraphs runs eagerly: {reason}", GraphFallbackWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"pydflash.TargetGraphs runs eagerly: {reason}", GraphFallbackWarning, stacklevel=2
+            )
         return self.fn(batch)
 
     def _state(self, lane: Lane) -> _LaneGraphs:
@@ -509,7 +545,9 @@ class TargetGraphs(TargetStage):
         if not isinstance(self.pad_value, dict):
             return [self.pad_value] * len(leaves)
         if not isinstance(batch, dict):
-            raise TypeError(f"expected a dict batch for a dict pad_value, got {type(batch).__name__}")
+            raise TypeError(
+                f"expected a dict batch for a dict pad_value, got {type(batch).__name__}"
+            )
         pads = []
         for key, value in batch.items():
             pads += [self.pad_value.get(key, 0)] * len(pytree.tree_leaves(value))

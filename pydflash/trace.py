@@ -38,12 +38,20 @@ def collect(lanes: Iterable[Lane]) -> list[dict[str, Any]]:
         for task_id, label, submit_ns, start_ns, end_ns, gpu in lane._native.take_trace():
             name = label or "task"
             args = {"task": task_id, "queue_wait_us": (start_ns - submit_ns) / 1e3}
-            events += async_span(f"queued: {name}", submit_ns, start_ns, pid=pid, tid=HOST_TID,
-                                 span_id=f"lane{pid}-task{task_id}", args={"task": task_id})
+            events += async_span(
+                f"queued: {name}",
+                submit_ns,
+                start_ns,
+                pid=pid,
+                tid=HOST_TID,
+                span_id=f"lane{pid}-task{task_id}",
+                args={"task": task_id},
+            )
             events.append(span(name, start_ns, end_ns, pid=pid, tid=HOST_TID, args=args))
             if gpu is not None:
-                events.append(span(name, gpu[0], gpu[1], pid=pid, tid=GPU_TID,
-                                   args={"task": task_id}))
+                events.append(
+                    span(name, gpu[0], gpu[1], pid=pid, tid=GPU_TID, args={"task": task_id})
+                )
     return events
 
 

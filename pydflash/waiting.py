@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 def _lane_name(future: concurrent.futures.Future) -> str:
@@ -69,7 +70,5 @@ def wait_all(
     if failures:
         # BaseExceptionGroup builds a plain ExceptionGroup unless a task raised a
         # BaseException (KeyboardInterrupt, SystemExit), which ExceptionGroup refuses.
-        raise BaseExceptionGroup(
-            f"{len(failures)} of {len(futures)} tasks failed", failures
-        )
+        raise BaseExceptionGroup(f"{len(failures)} of {len(futures)} tasks failed", failures)
     return results

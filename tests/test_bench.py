@@ -43,11 +43,22 @@ def call_main(argv: list[str]) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
-    paths = {k: folder / name for k, name in
-             (("json", "r.json"), ("plot", "r.png"), ("trace", "t.json"))}
-    code, out, err = call_main(["--quick", "--sections", ",".join(MEASURED_SECTIONS),
-                                "--json", str(paths["json"]), "--plot", str(paths["plot"]),
-                                "--trace", str(paths["trace"])])
+    paths = {
+        k: folder / name for k, name in (("json", "r.json"), ("plot", "r.png"), ("trace", "t.json"))
+    }
+    code, out, err = call_main(
+        [
+            "--quick",
+            "--sections",
+            ",".join(MEASURED_SECTIONS),
+            "--json",
+            str(paths["json"]),
+            "--plot",
+            str(paths["plot"]),
+            "--trace",
+            str(paths["trace"]),
+        ]
+    )
     return {"code": code, "out": out, "err": err, "result": strict_json(paths["json"]), **paths}
 
 
@@ -60,13 +71,17 @@ def test_quick_run_succeeds_and_reports_every_section(quick_run):
     assert sections == set(MEASURED_SECTIONS)
 
 
-@pytest.mark.parametrize("command", [["bench/run.py"], ["-m", "bench.run"]],
-                         ids=["script", "module"])
+@pytest.mark.parametrize(
+    "command", [["bench/run.py"], ["-m", "bench.run"]], ids=["script", "module"]
+)
 def test_runs_as_a_script_and_as_a_module(command, tmp_path):
     path = tmp_path / "r.json"
     done = subprocess.run(
         [sys.executable, *command, "--quick", "--sections", "overlap", "--json", str(path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert done.returncode == 0, done.stderr
     assert strict_json(path)["sections"]["overlap"]["status"] == "ok"
@@ -95,9 +110,12 @@ def test_measured_rows_are_medians_compared_in_the_same_run(quick_run):
             assert row.ratio == pytest.approx(row.value / row.baseline)
         assert row.met == meets(row)  # never stated, always derived from the figures
     names = {r.name for r in measured}
-    assert {"cpu lane: submit→result", "cpu lane: 64 submitted, then waited",
-            "cpu lane: 64 submitted, concurrent.futures.wait",
-            "cpu lane: 64 submitted, concurrent.futures.as_completed"} <= names
+    assert {
+        "cpu lane: submit→result",
+        "cpu lane: 64 submitted, then waited",
+        "cpu lane: 64 submitted, concurrent.futures.wait",
+        "cpu lane: 64 submitted, concurrent.futures.as_completed",
+    } <= names
     baselines = {r.baseline_name for r in measured}
     assert {"ThreadPoolExecutor(1)", "sequential eager (1 thread)"} <= baselines
 
@@ -110,13 +128,18 @@ def test_what_needs_a_gpu_is_reported_not_run(quick_run):
     if quick_run["result"]["header"]["gpus_used"]:
         assert all(r.measured for r in targeted.values())
         return
-    for name in ("busy-wait on 4 lanes of one GPU", "2 lanes: graphs, submit_graph",
-                 "gpu lane: submit→result"):
+    for name in (
+        "busy-wait on 4 lanes of one GPU",
+        "2 lanes: graphs, submit_graph",
+        "gpu lane: submit→result",
+    ):
         row = targeted[name]
         assert not row.measured and row.met is None and "needs a GPU" in row.note
     summary = quick_run["result"]["targets"]
-    assert set(summary["not_measured"]) >= {"busy-wait on 4 lanes of one GPU",
-                                            "2 lanes: graphs, submit_graph"}
+    assert set(summary["not_measured"]) >= {
+        "busy-wait on 4 lanes of one GPU",
+        "2 lanes: graphs, submit_graph",
+    }
 
 
 def test_table_progress_plot_and_trace_are_written(quick_run):
@@ -154,7 +177,9 @@ def test_a_missing_section_is_skipped_with_a_row(sections, tmp_path):
     assert code == 0
     result = strict_json(tmp_path / "r.json")
     assert result["sections"]["not_written_yet"] == {
-        "status": "not run", "reason": "bench/not_written_yet.py does not exist yet"}
+        "status": "not run",
+        "reason": "bench/not_written_yet.py does not exist yet",
+    }
     (row,) = result["rows"]
     assert row["value"] is None and row["extra"]["status"] == "not run"
     assert "not run: bench/not_written_yet.py does not exist yet" in err
@@ -165,8 +190,11 @@ def test_a_crashing_section_fails_the_run_but_not_the_others(sections, monkeypat
         raise RuntimeError("boom in the section")
 
     fake_section(monkeypatch, "crashes", crash)
-    fake_section(monkeypatch, "works", lambda ctx: [compare("works", "figure", 2.0, "us", "b", 4.0,
-                                                            "<= 0.25")])
+    fake_section(
+        monkeypatch,
+        "works",
+        lambda ctx: [compare("works", "figure", 2.0, "us", "b", 4.0, "<= 0.25")],
+    )
     sections("crashes", "works")
     code, _, err = call_main(["--sections", "crashes,works", "--json", str(tmp_path / "r.json")])
     assert code == 1
@@ -239,8 +267,13 @@ def test_unmeasured_rows_meet_no_target_and_bad_targets_are_refused():
 
 def synthetic_result(rows: list[Row], gpus: int = 0) -> dict:
     return {
-        "header": {"pydflash": "0", "date": "today", "gpus_used": gpus, "device_names": None,
-                   "devices_unavailable_because": "no driver"},
+        "header": {
+            "pydflash": "0",
+            "date": "today",
+            "gpus_used": gpus,
+            "device_names": None,
+            "devices_unavailable_because": "no driver",
+        },
         "quick": True,
         "sections": {"s": {"status": "ok"}},
         "targets": report.summarize_targets(rows),
@@ -301,8 +334,9 @@ def real_target_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("real_target") / "r.json"
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = real_target.main(["--quick", "--lanes", "1,2", "--compile-timeout", "0",
-                                 "--json", str(path)])
+        code = real_target.main(
+            ["--quick", "--lanes", "1,2", "--compile-timeout", "0", "--json", str(path)]
+        )
     return {"code": code, "out": out.getvalue(), "err": err.getvalue(), "result": strict_json(path)}
 
 
@@ -322,8 +356,11 @@ def test_real_target_section_measures_the_eager_rows(real_target_run):
     assert row.measured and row.baseline_name == "ThreadPoolExecutor loop, eager target"
     if gpu:
         return
-    for name in (f"{size}, 2 lanes: target step, graph lanes", f"{size}: pipeline step, graph target",
-                 f"{size}: torch.compile reduce-overhead"):
+    for name in (
+        f"{size}, 2 lanes: target step, graph lanes",
+        f"{size}: pipeline step, graph target",
+        f"{size}: torch.compile reduce-overhead",
+    ):
         assert not rows[name].measured and "needs a GPU" in rows[name].note
     assert rows[f"{size}: pipeline step, graph target"].target == "<= 0.5"
 
@@ -332,9 +369,26 @@ def test_real_target_options_reach_the_section_when_run_as_a_module(tmp_path):
     pytest.importorskip("transformers")
     path = tmp_path / "r.json"
     done = subprocess.run(
-        [sys.executable, "-m", "bench.real_target", "--quick", "--lanes", "1", "--reps", "1",
-         "--pipeline-steps", "1", "--compile-timeout", "0", "--json", str(path)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "bench.real_target",
+            "--quick",
+            "--lanes",
+            "1",
+            "--reps",
+            "1",
+            "--pipeline-steps",
+            "1",
+            "--compile-timeout",
+            "0",
+            "--json",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     names = [row["name"] for row in strict_json(path)["rows"]]
@@ -344,7 +398,9 @@ def test_real_target_options_reach_the_section_when_run_as_a_module(tmp_path):
 
 def test_real_target_section_is_not_run_without_transformers(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import raises ModuleNotFoundError
-    code, _, _ = call_main(["--quick", "--sections", "real_target", "--json", str(tmp_path / "r.json")])
+    code, _, _ = call_main(
+        ["--quick", "--sections", "real_target", "--json", str(tmp_path / "r.json")]
+    )
     assert code == 0
     status = strict_json(tmp_path / "r.json")["sections"]["real_target"]
     assert status == {"status": "not run", "reason": "needs transformers, which is not installed"}
@@ -354,7 +410,11 @@ def test_compile_child_is_killed_at_its_limit_and_reports_how_far_it_got():
     from bench.real_target import compile_child
 
     def child(behaviour: str) -> list[str]:
-        return [sys.executable, str(ROOT / "tests" / "scripts" / "fake_compile_child.py"), behaviour]
+        return [
+            sys.executable,
+            str(ROOT / "tests" / "scripts" / "fake_compile_child.py"),
+            behaviour,
+        ]
 
     report, failure = compile_child(child("sleep"), limit=2)
     assert report == {"phase": "built"} and failure == "still running at the 2 s limit"
@@ -362,19 +422,46 @@ def test_compile_child_is_killed_at_its_limit_and_reports_how_far_it_got():
     assert report == {} and failure == "exit 1: RuntimeError: no compiler"
     report, failure = compile_child(child("no-graphs"), limit=30)
     assert failure is None
-    assert report == {"phase": "timed", "cudagraphs_skipped": "skipping cudagraphs due to mutated inputs"}
+    assert report == {
+        "phase": "timed",
+        "cudagraphs_skipped": "skipping cudagraphs due to mutated inputs",
+    }
 
 
-@pytest.mark.parametrize(("report", "failure", "first", "second"), [
-    ({"phase": "built"}, "still running at the 300 s limit",
-     "no step time: after 'built', still running at the 300 s limit", "not reached"),
-    ({"phase": "threads", "first_call_s": 40.0, "step": {"compiled_ms": 2.0, "eager_ms": 8.0},
-      "threads": {"error": "AssertionError: not thread safe"}}, None, None,
-     "fails: AssertionError: not thread safe"),
-    ({"phase": "threads", "first_call_s": 40.0, "step": {"compiled_ms": 2.0, "eager_ms": 8.0},
-      "threads": {"error": None, "compiled_ms": 6.0, "eager_ms": 30.0},
-      "cudagraphs_skipped": "skipping cudagraphs due to cpu device"}, None, None, None),
-])
+@pytest.mark.parametrize(
+    ("report", "failure", "first", "second"),
+    [
+        (
+            {"phase": "built"},
+            "still running at the 300 s limit",
+            "no step time: after 'built', still running at the 300 s limit",
+            "not reached",
+        ),
+        (
+            {
+                "phase": "threads",
+                "first_call_s": 40.0,
+                "step": {"compiled_ms": 2.0, "eager_ms": 8.0},
+                "threads": {"error": "AssertionError: not thread safe"},
+            },
+            None,
+            None,
+            "fails: AssertionError: not thread safe",
+        ),
+        (
+            {
+                "phase": "threads",
+                "first_call_s": 40.0,
+                "step": {"compiled_ms": 2.0, "eager_ms": 8.0},
+                "threads": {"error": None, "compiled_ms": 6.0, "eager_ms": 30.0},
+                "cudagraphs_skipped": "skipping cudagraphs due to cpu device",
+            },
+            None,
+            None,
+            None,
+        ),
+    ],
+)
 def test_compile_rows_say_what_the_child_reached(monkeypatch, report, failure, first, second):
     pytest.importorskip("transformers")
     from bench import real_target
@@ -382,7 +469,8 @@ def test_compile_rows_say_what_the_child_reached(monkeypatch, report, failure, f
     monkeypatch.setattr(real_target, "compile_child", lambda command, limit: (report, failure))
     bench = real_target.make_bench(Context(True, 0, print), real_target.Options(), "tiny")
     compiled, threaded = real_target.compiled_rows(
-        Context(True, 0, lambda line: None), real_target.Options(), bench, "small", 300)
+        Context(True, 0, lambda line: None), real_target.Options(), bench, "small", 300
+    )
     assert compiled.measured == (first is None) and threaded.measured == (second is None)
     if first:
         assert compiled.note == first
@@ -421,9 +509,13 @@ def test_threaded_calls_report_a_failing_or_wrong_callable():
         return fine(batch)
 
     assert real_target.threaded_calls(bench, fine, fine, batches)["error"] is None
-    assert "wrong outputs in threads" in real_target.threaded_calls(bench, flaky, fine, batches)["error"]
+    assert (
+        "wrong outputs in threads"
+        in real_target.threaded_calls(bench, flaky, fine, batches)["error"]
+    )
     assert real_target.threaded_calls(bench, broken, fine, batches) == {
-        "error": "RuntimeError: not thread safe"}
+        "error": "RuntimeError: not thread safe"
+    }
 
 
 def test_compile_only_runs_just_the_compile_child_for_its_sizes(monkeypatch):
@@ -435,14 +527,20 @@ def test_compile_only_runs_just_the_compile_child_for_its_sizes(monkeypatch):
 
     commands = []
     monkeypatch.setattr(real_target, "build_models", no_build)
-    monkeypatch.setattr(real_target, "compile_child",
-                        lambda command, limit: commands.append((command, limit)) or ({}, "exit 1: boom"))
+    monkeypatch.setattr(
+        real_target,
+        "compile_child",
+        lambda command, limit: commands.append((command, limit)) or ({}, "exit 1: boom"),
+    )
     options = real_target.Options(compile_only=True, compile_timeout=5.0)
     ctx = Context(False, 1, lambda line: None)  # a GPU run, as the parent sees it
-    rows = [row for size in ("small", "medium") for row in real_target.measure_size(ctx, options, size)]
+    rows = [
+        row for size in ("small", "medium") for row in real_target.measure_size(ctx, options, size)
+    ]
     assert [r.name for r in rows] == [
         "small (qwen3-next-small, 1x1024): torch.compile reduce-overhead",
-        "small (qwen3-next-small, 1x1024): torch.compile reduce-overhead, from 4 threads"]
+        "small (qwen3-next-small, 1x1024): torch.compile reduce-overhead, from 4 threads",
+    ]
     assert rows[0].note == "no step time: after 'start', exit 1: boom"
     ((command, limit),) = commands
     assert limit == 5.0 and command[1:5] == ["-m", "bench.real_target", "--compile-child", "small"]

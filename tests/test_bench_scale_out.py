@@ -38,8 +38,9 @@ def section_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("scale_out") / "r.json"
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = scale_out.main(["--quick", "--reps", "2", "--pipeline-steps", "1",
-                               "--json", str(path)])
+        code = scale_out.main(
+            ["--quick", "--reps", "2", "--pipeline-steps", "1", "--json", str(path)]
+        )
     return {"code": code, "out": out.getvalue(), "err": err.getvalue(), "result": strict_json(path)}
 
 
@@ -65,8 +66,13 @@ def test_section_measures_what_this_machine_has_and_names_what_it_lacks(section_
         assert row.ratio == pytest.approx(row.value / rows[f"{NAME}, 1 CPU lane: {way}"].value)
     assert rows[f"{NAME}, 2 CPU lanes: graph lanes"].target == "ratio >= 1.9"
     for n, goal in ((4, "ratio >= 3.8"), (8, "ratio >= 7.6")):
-        for way in ("graph lanes", "eager lanes", "ThreadPoolExecutor + streams",
-                    "one process per device", "graph lanes over ThreadPoolExecutor"):
+        for way in (
+            "graph lanes",
+            "eager lanes",
+            "ThreadPoolExecutor + streams",
+            "one process per device",
+            "graph lanes over ThreadPoolExecutor",
+        ):
             row = rows[f"{NAME}, {n} GPUs: {way}"]
             assert not row.measured and row.note == f"needs {n} GPUs"
         assert rows[f"{NAME}, {n} GPUs: graph lanes"].target == goal
@@ -88,8 +94,9 @@ def test_graph_lanes_and_the_pipeline_run_on_cpu_lanes():
     graphs = rows[f"{NAME}, 2 CPU lanes: graph lanes"]
     assert graphs.measured and graphs.target == "ratio >= 1.9" and graphs.met is not None
     assert rows[f"{NAME}, 2 CPU lanes: one process per device"].note == "no figure: off"
-    row = scale_out.pipeline_figures(ctx, options, setting,
-                                     Placement.parse(["cpu"] * 4, "3:1"), "3:1 on CPU lanes")
+    row = scale_out.pipeline_figures(
+        ctx, options, setting, Placement.parse(["cpu"] * 4, "3:1"), "3:1 on CPU lanes"
+    )
     assert row.measured and row.target == "<= 1.05" and row.extra["peer_access"] is None
     assert row.baseline == max(row.extra["target_stage_ms"], row.extra["drafter_stage_ms"])
     assert "depth 4" in row.note
@@ -102,8 +109,10 @@ def times_of(executor: float, graphs: float, lanes: float, processes: float) -> 
 def test_goals_follow_from_the_speed_ups_and_the_one_device_margin():
     setting = scale_out.make_setting(scale_out.Options(), 0)
     setting.on_gpu, setting.available = True, 2  # as a two-GPU host sees it
-    times = {1: times_of(executor=0.03, graphs=0.01, lanes=0.02, processes=0.02),
-             2: times_of(executor=0.04, graphs=0.0104, lanes=0.03, processes=0.02)}
+    times = {
+        1: times_of(executor=0.03, graphs=0.01, lanes=0.02, processes=0.02),
+        2: times_of(executor=0.04, graphs=0.0104, lanes=0.03, processes=0.02),
+    }
     rows = {r.name: r for r in scale_out.scaling_rows(setting, [1, 2, 4], times, [], None)}
     one, two = f"{NAME}, 1 GPU", f"{NAME}, 2 GPUs"
     assert rows[f"{one}: graph lanes"].ratio == pytest.approx(3.0)  # over the executor
@@ -131,8 +140,11 @@ def test_workers_get_torchrun_environment_and_no_nvlink_multicast():
     for r in reports:
         assert r["LOCAL_RANK"] == r["RANK"] and r["WORLD_SIZE"] == "2"
         assert r["MASTER_ADDR"] == "127.0.0.1" and int(r["MASTER_PORT"]) > 0
-        assert (r["NCCL_NVLS_ENABLE"], r["TORCH_SYMM_MEM_DISABLE_MULTICAST"],
-                r["NVSHMEM_DISABLE_NVLS"]) == ("0", "1", "1")
+        assert (
+            r["NCCL_NVLS_ENABLE"],
+            r["TORCH_SYMM_MEM_DISABLE_MULTICAST"],
+            r["NVSHMEM_DISABLE_NVLS"],
+        ) == ("0", "1", "1")
 
 
 def test_a_failing_worker_stops_the_others_and_says_why():

@@ -55,13 +55,13 @@ def test_one_thread_runs_a_key_and_every_caller_gets_its_result():
         key = fresh_key("single")
         ran = []
 
-        def tune():
+        def tune(key=key, ran=ran):
             ran.append(threading.current_thread().name)
             # Holding the key until the others wait also proves they released the GIL.
             eventually(lambda: waiters(key) == THREADS - 1, "all callers waiting")
             return object()
 
-        results = run_threads(THREADS, lambda i: compile_queue.run(key, tune, timeout=60))
+        results = run_threads(THREADS, lambda i, key=key: compile_queue.run(key, tune, timeout=60))
         assert len(ran) == 1
         assert all(kind == "ok" for kind, _ in results)
         assert len({id(value) for _, value in results}) == 1  # the very same object
@@ -266,7 +266,9 @@ def test_a_wait_that_would_deadlock_raises():
     b.join()
     assert "thread B waiting for the cuda:9 slot" in str(info.value)
     # A waited on b's key: it raises (its own copy of) B's error.
-    assert b_errors and type(b_errors[0]) is type(info.value) and str(b_errors[0]) == str(info.value)
+    assert (
+        b_errors and type(b_errors[0]) is type(info.value) and str(b_errors[0]) == str(info.value)
+    )
 
 
 def test_many_threads_many_keys_stay_single_flight():

@@ -31,13 +31,16 @@ def load_kernels():
 
 def test_default_is_one_lane_per_gpu():
     with pydflash.Dispatcher(guard_triton=False) as d:
-        assert [lane.device for lane in d.lanes] == [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        assert [lane.device for lane in d.lanes] == [
+            f"cuda:{i}" for i in range(torch.cuda.device_count())
+        ]
 
 
 def test_task_runs_on_the_lane_stream_and_device(two_lanes):
     for lane in two_lanes:
-        stream, device = lane.submit(lambda: (torch.cuda.current_stream().cuda_stream,
-                                              torch.cuda.current_device())).result()
+        stream, device = lane.submit(
+            lambda: (torch.cuda.current_stream().cuda_stream, torch.cuda.current_device())
+        ).result()
         assert stream == lane.stream_ptr != 0
         assert device == lane.device_index
     assert two_lanes[0].stream_ptr != two_lanes[1].stream_ptr

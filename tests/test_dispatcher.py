@@ -154,8 +154,11 @@ def test_asyncio_wrap_future(dispatcher):
 
 def test_futures_cannot_be_completed_by_hand(dispatcher):
     f = dispatcher.submit(lambda: 1)
-    for call in (lambda: f.set_result(2), lambda: f.set_exception(ValueError()),
-                 f.set_running_or_notify_cancel):
+    for call in (
+        lambda: f.set_result(2),
+        lambda: f.set_exception(ValueError()),
+        f.set_running_or_notify_cancel,
+    ):
         with pytest.raises(RuntimeError, match="lane"):
             call()
     with pytest.raises(TypeError, match="made by lanes"):

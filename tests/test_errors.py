@@ -15,7 +15,7 @@ def gpus():
 
 @pytest.mark.parametrize("spec", [7, "cuda:7", -2])
 def test_out_of_range_device_is_a_value_error(spec):
-    with pytest.raises(ValueError, match="expected .*'cpu'.*got"):
+    with pytest.raises(ValueError, match=r"expected .*'cpu'.*got"):
         pydflash.Dispatcher([gpus() + 7 if spec == 7 else spec], guard_triton=False)
 
 
@@ -90,9 +90,11 @@ def test_negative_spin_is_a_value_error():
 
 
 def test_graph_on_a_cpu_lane_is_a_value_error():
-    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
-        with pytest.raises(ValueError, match="CPU lane"):
-            d.lanes[0]._native.submit_graph(1, None, d.lanes[0])
+    with (
+        pydflash.Dispatcher(["cpu"], guard_triton=False) as d,
+        pytest.raises(ValueError, match="CPU lane"),
+    ):
+        d.lanes[0]._native.submit_graph(1, None, d.lanes[0])
 
 
 def test_cuda_call_without_a_device_is_a_cuda_error():

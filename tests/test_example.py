@@ -61,7 +61,11 @@ def random_inputs(batch, length, heads, dk, dv, dtype=torch.float64, device="cpu
     g = torch.nn.functional.logsigmoid(randn(batch, length, heads) + 2)
     beta = torch.sigmoid(randn(batch, length, heads))
     g_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    return (*(x.to(device, dtype) for x in (q, k, v)), g.to(device, g_dtype), beta.to(device, dtype))
+    return (
+        *(x.to(device, dtype) for x in (q, k, v)),
+        g.to(device, g_dtype),
+        beta.to(device, dtype),
+    )
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 16, 64])
@@ -100,7 +104,9 @@ def test_flash_linear_attention_kernel_matches_the_torch_version():
         pytest.skip("flash-linear-attention is not installed")
     q, k, v, g, beta = random_inputs(2, 300, 4, 64, 64, dtype=torch.bfloat16, device="cuda", seed=5)
     fla_out, _ = kernel(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
-    torch.testing.assert_close(gated_delta.gated_delta_rule(q, k, v, g, beta), fla_out, rtol=0, atol=0)
+    torch.testing.assert_close(
+        gated_delta.gated_delta_rule(q, k, v, g, beta), fla_out, rtol=0, atol=0
+    )
     reference = torch_gated_delta_rule(q, k, v, g, beta)  # float32 inside, bf16 out
     torch.testing.assert_close(fla_out.float(), reference.float(), rtol=2e-2, atol=2e-2)
 
@@ -185,10 +191,22 @@ def test_sequential_executor_and_pipeline_losses_are_equal_on_cpu(ratio):
     placement = Placement.parse(["cpu"], ratio)
     data = MarkovTokens(TINY_TARGET.vocab, TINY_JOB.seq, TINY_JOB.batch, seed=1)
     batches = data.batches(0, 6 * TINY_JOB.accumulate)
-    reference = [f() for f in sequential_steps(build_models(TINY_JOB, Placement.parse(["cpu"], "1:1")),
-                                               Placement.parse(["cpu"], "1:1"), TINY_JOB, batches, 6)]
-    executor = [f() for f in executor_steps(build_models(TINY_JOB, placement), placement, TINY_JOB,
-                                            batches, 6, depth=3)]
+    reference = [
+        f()
+        for f in sequential_steps(
+            build_models(TINY_JOB, Placement.parse(["cpu"], "1:1")),
+            Placement.parse(["cpu"], "1:1"),
+            TINY_JOB,
+            batches,
+            6,
+        )
+    ]
+    executor = [
+        f()
+        for f in executor_steps(
+            build_models(TINY_JOB, placement), placement, TINY_JOB, batches, 6, depth=3
+        )
+    ]
     loop = PipelineLoop(build_models(TINY_JOB, placement), placement, TINY_JOB, depth=3)
     try:
         pipelined = [f() for f in loop.steps(batches, 6)]
@@ -200,8 +218,9 @@ def test_sequential_executor_and_pipeline_losses_are_equal_on_cpu(ratio):
 
 
 # --- the script -----------------------------------------------------------------------------
-def run_script(*args: str, outside: Path, nproc: int | None = None,
-               as_module: bool = False) -> subprocess.CompletedProcess:
+def run_script(
+    *args: str, outside: Path, nproc: int | None = None, as_module: bool = False
+) -> subprocess.CompletedProcess:
     """Runs the example as its README says, on the installed pydflash with nothing added
     to the environment: by path from `outside` (a folder outside the checkout, so only the
     script's own folder is on sys.path), under torchrun with `nproc`, or with `as_module`
@@ -211,8 +230,15 @@ def run_script(*args: str, outside: Path, nproc: int | None = None,
     else:
         command, cwd = [sys.executable, str(SCRIPT), *args], outside
         if nproc is not None:
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       "--nproc-per-node", str(nproc), *command[1:]]
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(nproc),
+                *command[1:],
+            ]
     result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     return result
@@ -220,8 +246,18 @@ def run_script(*args: str, outside: Path, nproc: int | None = None,
 
 @pytest.mark.timeout(300)
 def test_the_tiny_example_trains_and_writes_a_loss_curve(tmp_path):
-    result = run_script("--tiny", "--steps", "24", "--log-every", "8", "--out", str(tmp_path),
-                        "--trace", str(tmp_path / "trace.json"), outside=tmp_path)
+    result = run_script(
+        "--tiny",
+        "--steps",
+        "24",
+        "--log-every",
+        "8",
+        "--out",
+        str(tmp_path),
+        "--trace",
+        str(tmp_path / "trace.json"),
+        outside=tmp_path,
+    )
     lines = result.stdout.splitlines()
     logs = [line for line in lines if line.startswith("pipeline step")]
     assert [line.split()[2] for line in logs] == ["8/24", "16/24", "24/24"]
@@ -242,17 +278,41 @@ def test_the_tiny_example_trains_and_writes_a_loss_curve(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("as_module", [False, True], ids=["script", "module"])
 def test_check_mode_finds_the_pipeline_equal_to_the_sequential_loop(tmp_path, as_module):
-    result = run_script("--tiny", "--check", "--steps", "6", "--devices", "cpu", "--ratio", "2:1",
-                        "--no-plot", "--out", str(tmp_path), outside=tmp_path, as_module=as_module)
+    result = run_script(
+        "--tiny",
+        "--check",
+        "--steps",
+        "6",
+        "--devices",
+        "cpu",
+        "--ratio",
+        "2:1",
+        "--no-plot",
+        "--out",
+        str(tmp_path),
+        outside=tmp_path,
+        as_module=as_module,
+    )
     assert "check passed: pipeline losses equal the sequential loop's exactly" in result.stdout
 
 
 @pytest.mark.timeout(300)
 def test_torchrun_trains_one_ddp_drafter_across_two_processes(tmp_path):
     steps, world = 4, 2
-    run_script("--tiny", "--steps", str(steps), "--devices", "cpu", "--no-plot",
-               "--out", str(tmp_path), "--save-drafter", str(tmp_path / "drafter.pt"), nproc=world,
-               outside=tmp_path)
+    run_script(
+        "--tiny",
+        "--steps",
+        str(steps),
+        "--devices",
+        "cpu",
+        "--no-plot",
+        "--out",
+        str(tmp_path),
+        "--save-drafter",
+        str(tmp_path / "drafter.pt"),
+        nproc=world,
+        outside=tmp_path,
+    )
     names = ("summary.json", "summary.rank1.json")
     ranks = [json.loads((tmp_path / name).read_text()) for name in names]
     assert [r["world"] for r in ranks] == [world, world]
@@ -262,8 +322,12 @@ def test_torchrun_trains_one_ddp_drafter_across_two_processes(tmp_path):
     placement = Placement.parse(["cpu"], "1:1")
     models = build_models(job, placement)
     data = MarkovTokens(TINY_TARGET.vocab, job.seq, job.batch, seed=0)
-    reference = [f() for f in sequential_steps(models, placement, job,
-                                               data.batches(0, steps * job.accumulate), steps)]
+    reference = [
+        f()
+        for f in sequential_steps(
+            models, placement, job, data.batches(0, steps * job.accumulate), steps
+        )
+    ]
     trained = torch.load(tmp_path / "drafter.pt")
     for name, p in models.drafters[0].named_parameters():
         if p.requires_grad:

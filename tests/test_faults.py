@@ -60,7 +60,7 @@ def test_every_failure_of_k_lanes_is_reported(
         errors = caught.value.exceptions
         assert len(errors) == failing
         assert [str(e) for e in errors] == [f"task {i} failed" for i in sorted(bad)]
-        for i, error in zip(sorted(bad), errors):
+        for i, error in zip(sorted(bad), errors, strict=True):
             assert isinstance(error, ValueError)
             assert names_lane(error, lanes[i])
             assert futures[i].exception() is error
@@ -165,7 +165,7 @@ def test_compile_queue_holder_failing_while_other_lanes_wait(
         errors = caught.value.exceptions
         assert len(ran) == 1, ran  # one holder ran; the other lanes received its error
         assert [str(e) for e in errors] == [f"autotune of {key} failed in task {ran[0]}"] * 6
-        for lane, error in zip(lanes, errors):
+        for lane, error in zip(lanes, errors, strict=True):
             assert names_lane(error, lane)
             assert any(f"holding {key!r}" in note for note in error.__notes__)
         stats = compile_queue.stats()["keys"][key]
@@ -261,9 +261,9 @@ def test_device_side_assert_names_the_lane_and_poisons_the_device(run_child_scri
     # In a subprocess: a device-side assert leaves the CUDA context unusable for the rest
     # of the process (a sticky error), so it must not happen inside the test runner.
     done = run_child_script("device_side_assert.py", timeout=SUBPROCESS_TIMEOUT_S)
-    line = next((l for l in done.stdout.splitlines() if l.startswith("REPORT ")), None)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("REPORT ")), None)
     assert line is not None, f"no report (rc={done.returncode}):\n{done.stdout}\n{done.stderr}"
-    report = json.loads(line[len("REPORT "):])
+    report = json.loads(line[len("REPORT ") :])
     print(json.dumps(report, indent=1))  # what the other lanes saw, for docs/reliability.md
     failure = report["assert"]
     assert failure.get("runtime_error") is True, report  # torch.AcceleratorError on newer torch

@@ -226,8 +226,11 @@ def test_a_failed_copy_in_fails_the_run(cpu_lane, fake_graph_type, clone):
 
 def test_run_checks_inputs_against_the_capture(cpu_lane, fake_graph_type):
     captured = make_captured(FakeGpuLane(cpu_lane))
-    with pytest.raises(ValueError, match=r"expected input 0 of shape \(4, 3\) and dtype "
-                                         r"torch\.float32.*got shape \(5, 3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"expected input 0 of shape \(4, 3\) and dtype "
+        r"torch\.float32.*got shape \(5, 3\)",
+    ):
         captured.run(torch.zeros(5, 3))
     with pytest.raises(ValueError, match=r"got shape \(4, 3\) and dtype torch\.float64"):
         captured.run(torch.zeros(4, 3, dtype=torch.float64))
@@ -249,10 +252,20 @@ def test_capture_on_a_cpu_lane_is_impossible(cpu_lane):
     ("fn", "inputs", "warmup", "error", "match"),
     [
         (42, (torch.zeros(2),), 3, TypeError, "expected a callable to capture, got int"),
-        (double_plus_one, {"x": 1}, 3, TypeError, "expected example_inputs as a tensor or a "
-                                                  "sequence of tensors, got dict"),
-        (double_plus_one, (torch.zeros(2), 3.0), 3, TypeError,
-         "expected example input 1 as a tensor, got float"),
+        (
+            double_plus_one,
+            {"x": 1},
+            3,
+            TypeError,
+            "expected example_inputs as a tensor or a sequence of tensors, got dict",
+        ),
+        (
+            double_plus_one,
+            (torch.zeros(2), 3.0),
+            3,
+            TypeError,
+            "expected example input 1 as a tensor, got float",
+        ),
         (double_plus_one, (torch.zeros(2),), -1, ValueError, "expected warmup as an int >= 0"),
         (double_plus_one, (torch.zeros(2),), True, ValueError, "expected warmup as an int >= 0"),
     ],
@@ -415,8 +428,9 @@ def test_gpu_capture_failure_leaves_the_lane_usable(gpu_lane):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_capture_from_its_own_lane_is_refused(gpu_lane):
-    future = gpu_lane.submit(graphs.capture, small_model(), torch.zeros(8, 32, device="cuda"),
-                             gpu_lane)
+    future = gpu_lane.submit(
+        graphs.capture, small_model(), torch.zeros(8, 32, device="cuda"), gpu_lane
+    )
     with pytest.raises(GraphCaptureError, match="would wait for itself"):
         future.result(timeout=60)
 
@@ -452,8 +466,9 @@ def test_gpu_concurrent_runs_with_clone(gpu_lane):
 def test_gpu_graph_on_another_devices_lane_is_refused():
     dispatcher = pydflash.Dispatcher([0, 1])
     try:
-        captured = graphs.capture(small_model(), torch.zeros(8, 32, device="cuda:0"),
-                                  dispatcher.on(0))
+        captured = graphs.capture(
+            small_model(), torch.zeros(8, 32, device="cuda:0"), dispatcher.on(0)
+        )
         with pytest.raises(ValueError, match="expected a lane on cuda:0"):
             dispatcher.on(1).submit_graph(captured)
     finally:

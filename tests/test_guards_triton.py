@@ -100,7 +100,9 @@ def test_the_guard_is_idempotent_and_reversible(guard_module):
     ]
     # fla_tensor_cache and torch_compile join once those packages are imported, which
     # other tests may have done already.
-    base = {k: v for k, v in first.features.items() if k not in ("fla_tensor_cache", "torch_compile")}
+    base = {
+        k: v for k, v in first.features.items() if k not in ("fla_tensor_cache", "torch_compile")
+    }
     assert base == {
         "autotuner": True,
         "jit_single_flight": LAYOUT["jit_single_flight"],

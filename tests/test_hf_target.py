@@ -97,10 +97,14 @@ def test_pipeline_losses_equal_the_sequential_loop_on_cpu(ratio, graphs):
     job = tiny_job(HFTargetConfig.load(TINY))
     one = Placement.parse(["cpu"], "1:1")
     placement = Placement.parse(["cpu"], ratio)
-    batches = MarkovTokens(job.target.vocab, job.seq, job.batch, seed=1).batches(0, 4 * job.accumulate)
+    batches = MarkovTokens(job.target.vocab, job.seq, job.batch, seed=1).batches(
+        0, 4 * job.accumulate
+    )
     reference = [f() for f in sequential_steps(build_models(job, one), one, job, batches, 4)]
-    executor = [f() for f in executor_steps(build_models(job, placement), placement, job, batches,
-                                            4, depth=2)]
+    executor = [
+        f()
+        for f in executor_steps(build_models(job, placement), placement, job, batches, 4, depth=2)
+    ]
     loop = PipelineLoop(build_models(job, placement), placement, job, depth=2, graphs=graphs)
     try:
         pipelined = [f() for f in loop.steps(batches, 4)]
@@ -123,8 +127,9 @@ def test_graph_target_matches_eager_on_gpu_dense_and_moe(moe):
     config = HFTargetConfig.load("qwen3-next-small", moe=moe)
     torch.manual_seed(0)
     forward = target_forward(config.build(torch.bfloat16).to("cuda:0"))
-    batches = [{"input_ids": torch.randint(0, config.vocab, (2, t), device="cuda:0")}
-               for t in (1000, 1024)]  # both in bucket 1024
+    batches = [
+        {"input_ids": torch.randint(0, config.vocab, (2, t), device="cuda:0")} for t in (1000, 1024)
+    ]  # both in bucket 1024
     dispatcher = Dispatcher(["cuda:0"])
     graphs = TargetGraphs(forward)
     try:
@@ -167,13 +172,16 @@ def load_script(monkeypatch):
     return module
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--target-config", TINY, "--vocab", "32"], "--vocab sizes the built-in target"),
-    (["--moe"], "--moe applies to --target-config"),
-    (["--target-graphs", "--mode", "sequential"], "use --mode pipeline, not sequential"),
-    (["--target-layers", "1,x"], "expected comma-separated layer indices"),
-    (["--target-config", TINY, "--target-model", "."], "not allowed with argument"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--target-config", TINY, "--vocab", "32"], "--vocab sizes the built-in target"),
+        (["--moe"], "--moe applies to --target-config"),
+        (["--target-graphs", "--mode", "sequential"], "use --mode pipeline, not sequential"),
+        (["--target-layers", "1,x"], "expected comma-separated layer indices"),
+        (["--target-config", TINY, "--target-model", "."], "not allowed with argument"),
+    ],
+)
 def test_script_refuses_flags_that_do_not_fit(monkeypatch, capsys, argv, message):
     script = load_script(monkeypatch)
     with pytest.raises(SystemExit):
@@ -183,10 +191,30 @@ def test_script_refuses_flags_that_do_not_fit(monkeypatch, capsys, argv, message
 
 def test_script_trains_on_a_local_checkpoint_with_graph_targets(checkpoint, tmp_path):
     result = subprocess.run(  # as the example's README runs it, on the installed pydflash
-        [sys.executable, str(SCRIPT), "--tiny", "--target-model", str(checkpoint),
-         "--target-layers", "0,2", "--target-graphs", "--check", "--steps", "3",
-         "--devices", "cpu", "--ratio", "2:1", "--no-plot", "--out", str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--tiny",
+            "--target-model",
+            str(checkpoint),
+            "--target-layers",
+            "0,2",
+            "--target-graphs",
+            "--check",
+            "--steps",
+            "3",
+            "--devices",
+            "cpu",
+            "--ratio",
+            "2:1",
+            "--no-plot",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "check passed: pipeline losses equal the sequential loop's exactly" in result.stdout
@@ -204,7 +232,9 @@ def test_script_target_flags_pick_the_target(monkeypatch):
         script.make_target(script.parse_args(["--tiny", "--target-layers", "4"]))
     hf = script.make_target(script.parse_args(["--target-config", TINY, "--moe"]))
     assert hf.source == TINY and hf.config.num_experts == 16
-    with pytest.raises(SystemExit, match=r"cannot use that target: expected target layers in \[0, 4\)"):
+    with pytest.raises(
+        SystemExit, match=r"cannot use that target: expected target layers in \[0, 4\)"
+    ):
         script.make_target(script.parse_args(["--target-config", TINY, "--target-layers", "7"]))
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
     with pytest.raises(SystemExit, match=r"needs transformers: pip install 'pydflash\[hf\]'"):

@@ -21,8 +21,10 @@ def test_a_native_module_of_another_version_is_refused(run_child_script):
     )
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"),
-                    reason="reads /proc/self/maps and glibc's loader log (LD_DEBUG)")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"),
+    reason="reads /proc/self/maps and glibc's loader log (LD_DEBUG)",
+)
 def test_import_loads_no_cuda_driver_and_no_torch(run_child_script):
     def import_pydflash(*args: str) -> tuple[dict, list[str]]:
         # The loader's log names each library looked for, found or not: on a machine

@@ -41,4 +41,6 @@ def test_no_cuda_driver_is_named_as_such(run_child_module):
 def test_build_info_names_the_native_version():
     import pydflash
 
-    assert pydflash.build_info()["native_version"] == pydflash._C.__version__ == pydflash.__version__
+    assert (
+        pydflash.build_info()["native_version"] == pydflash._C.__version__ == pydflash.__version__
+    )

@@ -39,8 +39,11 @@ def make_drafter() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def make_data(n: int, seed: int = 2) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [
-        {"x": torch.randn(6, 8, generator=g), "y": torch.randint(0, 5, (6,), generator=g),
-         "i": torch.tensor(i)}
+        {
+            "x": torch.randn(6, 8, generator=g),
+            "y": torch.randint(0, 5, (6,), generator=g),
+            "i": torch.tensor(i),
+        }
         for i in range(n)
     ]
 
@@ -129,7 +132,11 @@ def test_losses_and_weights_match_the_sequential_loop_exactly(
     for drafter in drafters:
         assert params_equal(drafter, reference)
     stats = pipe.stats()
-    assert (stats["steps"], stats["microbatches"], stats["hidden_bytes_held"]) == (len(results), 24, 0)
+    assert (stats["steps"], stats["microbatches"], stats["hidden_bytes_held"]) == (
+        len(results),
+        24,
+        0,
+    )
     assert_idle(lanes)
 
 
@@ -280,8 +287,11 @@ def test_the_hidden_byte_ledger_counts_what_is_held():
     ledger.hold(1, 100)
     ledger.release(0, target_may_follow=False)
     ledger.hold(2, 0)  # opens no entry
-    assert ledger.stats() == {"hidden_bytes_held": 100, "hidden_bytes_peak": 250,
-                              "hidden_bytes_per_microbatch": 150}
+    assert ledger.stats() == {
+        "hidden_bytes_held": 100,
+        "hidden_bytes_peak": 250,
+        "hidden_bytes_per_microbatch": 150,
+    }
     # Microbatch 3 left before its target finished: its bytes do not count when they come.
     ledger.release(3, target_may_follow=True)
     ledger.hold(3, 500)
@@ -291,8 +301,11 @@ def test_the_hidden_byte_ledger_counts_what_is_held():
     # A new run counts the same indices again.
     ledger.new_run()
     ledger.hold(3, 500)
-    assert ledger.stats() == {"hidden_bytes_held": 500, "hidden_bytes_peak": 500,
-                              "hidden_bytes_per_microbatch": 500}
+    assert ledger.stats() == {
+        "hidden_bytes_held": 500,
+        "hidden_bytes_peak": 500,
+        "hidden_bytes_per_microbatch": 500,
+    }
 
 
 # --- failures ---------------------------------------------------------------------------------
@@ -346,8 +359,14 @@ def run_failing(lanes, stage: str, at: int, *, accumulate=2, depth=3, n_drafters
     if stage == "optimizer":
         optimizers[-1] = FailingOptimizer(pairs[-1][0].parameters(), at)
     pipe = Pipeline(
-        lanes[:1], lanes[1 : 1 + n_drafters], target=run_target, drafter=[d for d, _ in pairs],
-        loss=loss, optimizer=optimizers, accumulate=accumulate, depth=depth,
+        lanes[:1],
+        lanes[1 : 1 + n_drafters],
+        target=run_target,
+        drafter=[d for d, _ in pairs],
+        loss=loss,
+        optimizer=optimizers,
+        accumulate=accumulate,
+        depth=depth,
     )
     with pytest.raises(PipelineError) as info:
         for _ in pipe.run(batches):
@@ -451,8 +470,16 @@ def test_queued_work_is_cancelled_when_a_target_fails(lanes):
 
     drafter, optimizer = make_drafter()
     before = [p.clone() for p in drafter.parameters()]
-    pipe = Pipeline(lanes[:1], lanes[1:2], target=run_target, drafter=drafter, loss=loss,
-                    optimizer=optimizer, accumulate=4, depth=4)
+    pipe = Pipeline(
+        lanes[:1],
+        lanes[1:2],
+        target=run_target,
+        drafter=drafter,
+        loss=loss,
+        optimizer=optimizer,
+        accumulate=4,
+        depth=4,
+    )
     with pytest.raises(PipelineError) as info:
         list(pipe.run(make_data(16)))
     assert (info.value.stage, info.value.microbatch) == ("target", 2)
@@ -484,8 +511,11 @@ class FakeCapturedGraph:
 
     def __init__(self, lane, model) -> None:
         self.lane, self.model = lane, model
-        self.static = {"h": torch.zeros(6, 16), "y": torch.zeros(6, dtype=torch.long),
-                       "i": torch.zeros((), dtype=torch.long)}
+        self.static = {
+            "h": torch.zeros(6, 16),
+            "y": torch.zeros(6, dtype=torch.long),
+            "i": torch.zeros((), dtype=torch.long),
+        }
 
     def _replay(self, x, y, i):
         with torch.no_grad():
@@ -523,6 +553,7 @@ def test_a_custom_target_stage_is_used_as_given(lanes):
             return lane.submit(lambda: {**target(batch), "h": 2 * target(batch)["h"]})
 
     seen = []
+
     def loss(drafter, inputs):
         seen.append(inputs["h"])
         return drafter_loss(drafter, inputs)
@@ -621,22 +652,49 @@ def test_bad_lanes_and_replicas_raise_typed_errors(lanes):
     with pytest.raises(TypeError, match="expected drafter_lanes to be pydflash lanes, got a str"):
         Pipeline(lanes[:1], ["cpu"], **args)
     with pytest.raises(ValueError, match="distinct drafter lanes"):
-        Pipeline(lanes[:1], [lanes[1], lanes[1]], **{**args, "drafter": [drafter] * 2,
-                                                     "optimizer": [optimizer] * 2, "accumulate": 2})
+        Pipeline(
+            lanes[:1],
+            [lanes[1], lanes[1]],
+            **{**args, "drafter": [drafter] * 2, "optimizer": [optimizer] * 2, "accumulate": 2},
+        )
     with pytest.raises(ValueError, match="one drafter per drafter lane"):
         Pipeline(lanes[:1], lanes[1:3], **{**args, "accumulate": 2})
     other, other_opt = make_drafter()
     with pytest.raises(ValueError, match="multiple of the 2 drafter lanes, got 3"):
-        Pipeline(lanes[:1], lanes[1:3], **{**args, "drafter": [drafter, other],
-                                           "optimizer": [optimizer, other_opt], "accumulate": 3})
+        Pipeline(
+            lanes[:1],
+            lanes[1:3],
+            **{
+                **args,
+                "drafter": [drafter, other],
+                "optimizer": [optimizer, other_opt],
+                "accumulate": 3,
+            },
+        )
     with pytest.raises(ValueError, match="optimizer 1 over drafter 1's parameters"):
-        Pipeline(lanes[:1], lanes[1:3], **{**args, "drafter": [drafter, other],
-                                           "optimizer": [optimizer, optimizer], "accumulate": 2})
+        Pipeline(
+            lanes[:1],
+            lanes[1:3],
+            **{
+                **args,
+                "drafter": [drafter, other],
+                "optimizer": [optimizer, optimizer],
+                "accumulate": 2,
+            },
+        )
     small = torch.nn.Linear(16, 5)
     small_opt = torch.optim.SGD(small.parameters(), lr=1)
     with pytest.raises(ValueError, match="replicas of one shape"):
-        Pipeline(lanes[:1], lanes[1:3], **{**args, "drafter": [drafter, small], "accumulate": 2,
-                                           "optimizer": [optimizer, small_opt]})
+        Pipeline(
+            lanes[:1],
+            lanes[1:3],
+            **{
+                **args,
+                "drafter": [drafter, small],
+                "accumulate": 2,
+                "optimizer": [optimizer, small_opt],
+            },
+        )
     pipe = Pipeline(lanes[:1], lanes[1:2], **args)
     with pytest.raises(TypeError, match="expected an iterable of batches, got int"):
         pipe.run(3)
@@ -647,8 +705,15 @@ def test_bad_lanes_and_replicas_raise_typed_errors(lanes):
 # --- GPU lanes (run with `pytest -m gpu` on a CUDA machine) ---------------------------------
 def gpu_pairs() -> list:
     pairs = [pytest.param(("cuda:0", "cuda:0"), id="one-gpu-two-lanes")]
-    pairs.append(pytest.param(("cuda:0", "cuda:1"), id="two-gpus", marks=pytest.mark.skipif(
-        torch.cuda.device_count() < 2, reason="needs two CUDA devices")))
+    pairs.append(
+        pytest.param(
+            ("cuda:0", "cuda:1"),
+            id="two-gpus",
+            marks=pytest.mark.skipif(
+                torch.cuda.device_count() < 2, reason="needs two CUDA devices"
+            ),
+        )
+    )
     return pairs
 
 
@@ -678,8 +743,16 @@ def test_gpu_handoff_is_ordered_after_the_targets_kernels(devices):
         error = (inputs["h"] - inputs["i"].to(inputs["h"].dtype)).abs().max()
         return model(error.reshape(1, 1)).sum()
 
-    pipe = Pipeline([t_lane], [d_lane], target=run_target, drafter=weight, loss=loss,
-                    optimizer=torch.optim.SGD(weight.parameters(), lr=0.0), accumulate=2, depth=3)
+    pipe = Pipeline(
+        [t_lane],
+        [d_lane],
+        target=run_target,
+        drafter=weight,
+        loss=loss,
+        optimizer=torch.optim.SGD(weight.parameters(), lr=0.0),
+        accumulate=2,
+        depth=3,
+    )
     try:
         losses = [x for r in pipe.run(make_data(16)) for x in r.losses()]
     finally:
@@ -717,8 +790,16 @@ def test_gpu_pipeline_matches_the_sequential_loop(devices):
 
     dispatcher = pydflash.Dispatcher(list(devices))
     try:
-        pipe = Pipeline(dispatcher.lanes[:1], dispatcher.lanes[1:], target=run_target, drafter=drafter,
-                        loss=drafter_loss, optimizer=optimizer, accumulate=2, depth=3)
+        pipe = Pipeline(
+            dispatcher.lanes[:1],
+            dispatcher.lanes[1:],
+            target=run_target,
+            drafter=drafter,
+            loss=drafter_loss,
+            optimizer=optimizer,
+            accumulate=2,
+            depth=3,
+        )
         losses = [x for r in pipe.run(data) for x in r.losses()]
     finally:
         dispatcher.shutdown()

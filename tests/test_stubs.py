@@ -32,7 +32,11 @@ def stub_names():
 def module_names():
     names = {n for n in dir(_C) if not n.startswith("__") or n == "__version__"}
     members = {
-        name: {m for m in vars(getattr(_C, name)) if not (m.startswith("__") or m.startswith("_pybind11"))}
+        name: {
+            m
+            for m in vars(getattr(_C, name))
+            if not (m.startswith("__") or m.startswith("_pybind11"))
+        }
         for name in names
         if isinstance(getattr(_C, name), type)
     }

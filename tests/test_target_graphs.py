@@ -182,12 +182,20 @@ def test_pipeline_with_a_bucketed_target_matches_the_eager_target():
         def loss(d, inputs):
             logits = d(inputs["hidden"])
             return torch.nn.functional.cross_entropy(
-                logits.flatten(0, 1), inputs["input_ids"].flatten())
+                logits.flatten(0, 1), inputs["input_ids"].flatten()
+            )
 
         batches = [ids_batch(2, t, seed=t) for t in (5, 9, 12, 7, 16, 3)]
         with pydflash.Dispatcher(devices=["cpu", "cpu"]) as d:
-            pipe = Pipeline(d.lanes[:1], d.lanes[1:], target=target_for(model), drafter=drafter,
-                            loss=loss, optimizer=opt, accumulate=2)
+            pipe = Pipeline(
+                d.lanes[:1],
+                d.lanes[1:],
+                target=target_for(model),
+                drafter=drafter,
+                loss=loss,
+                optimizer=opt,
+                accumulate=2,
+            )
             return [step.losses() for step in pipe.run(batches)]
 
     eager = train(lambda model: model)
@@ -240,8 +248,14 @@ def test_gpu_bucket_outputs_equal_eager_in_bf16(gpu_lanes):
 def test_gpu_hf_model_buckets_equal_eager(gpu_lanes):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
 
@@ -281,9 +295,14 @@ def _plain(batch):
 
 
 @gpu
-@pytest.mark.parametrize("fn, reason", [(_host_sync, "capture failed"),
-                                        (_data_dependent, "capture failed"),
-                                        (_plain, "above the largest bucket")])
+@pytest.mark.parametrize(
+    "fn, reason",
+    [
+        (_host_sync, "capture failed"),
+        (_data_dependent, "capture failed"),
+        (_plain, "above the largest bucket"),
+    ],
+)
 def test_gpu_every_fallback_runs_eagerly_with_the_right_result(gpu_lanes, fn, reason):
     target = TargetGraphs(fn, lengths=(32,))
     t = 40 if fn is _plain else 20
@@ -342,8 +361,9 @@ def test_gpu_ring_never_hands_out_a_buffer_still_being_read(gpu_lanes):
     checks = []
     for k, batch in enumerate(batches):
         future = target.submit(producer, batch)
-        checks.append(consumer.submit(_slow_consumer_check, consumer, target, future,
-                                      expected[k], 2_000_000))
+        checks.append(
+            consumer.submit(_slow_consumer_check, consumer, target, future, expected[k], 2_000_000)
+        )
     results = [f.wait_stream() for f in checks]
     for total, want in results:
         torch.testing.assert_close(total, want)
@@ -364,8 +384,9 @@ def test_gpu_two_lanes_capture_one_bucket_in_turn(gpu_lanes):
         return target.submit(lane, batch).wait_stream()
 
     outs = [None, None]
-    threads = [threading.Thread(target=lambda i=i: outs.__setitem__(i, go(gpu_lanes[i])))
-               for i in range(2)]
+    threads = [
+        threading.Thread(target=lambda i=i: outs.__setitem__(i, go(gpu_lanes[i]))) for i in range(2)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -104,8 +104,13 @@ def test_the_reader_in_use():
 )
 def test_the_python_fallback_carries_the_same_state():
     env = dict(os.environ, PYDFLASH_TORCH_STATE="python")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
 
 

@@ -150,10 +150,24 @@ def test_extra_events_are_exported_after_the_lanes(traced, tmp_path):
     start = trace.now_ns()
     extra = [
         trace.track("process_name", 100, 0, "compile queue"),
-        trace.span("compile matmul_kernel", start, start + 2_000, pid=100, tid=1,
-                   args={"key": "k"}, category="compile_queue"),
-        *trace.async_span("wait matmul_kernel", start, start + 1_000, pid=100, tid=1,
-                          span_id="cq-1", category="compile_queue"),
+        trace.span(
+            "compile matmul_kernel",
+            start,
+            start + 2_000,
+            pid=100,
+            tid=1,
+            args={"key": "k"},
+            category="compile_queue",
+        ),
+        *trace.async_span(
+            "wait matmul_kernel",
+            start,
+            start + 1_000,
+            pid=100,
+            tid=1,
+            span_id="cq-1",
+            category="compile_queue",
+        ),
     ]
     document = trace.export(traced.lanes, tmp_path / "t.json", extra=extra)
     events = validate(json.loads((tmp_path / "t.json").read_text()))
@@ -188,8 +202,10 @@ def test_concurrent_submitters_get_every_task_traced(traced):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(pydflash._C.device_count() == 0,
-                    reason="needs a CUDA device (GPU spans come from lane-stream events)")
+@pytest.mark.skipif(
+    pydflash._C.device_count() == 0,
+    reason="needs a CUDA device (GPU spans come from lane-stream events)",
+)
 def test_gpu_lane_records_a_gpu_span_per_task():
     from pydflash import _C
 

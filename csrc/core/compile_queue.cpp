@@ -30,7 +30,9 @@ std::string seconds(int64_t ns) {
   return buf;
 }
 
-std::string thread_name(const std::string& label) { return label.empty() ? "an unnamed thread" : label; }
+std::string thread_name(const std::string& label) {
+  return label.empty() ? "an unnamed thread" : label;
+}
 
 }  // namespace
 
@@ -65,8 +67,8 @@ std::vector<CompileFlightInfo> CompileQueue::in_flight() const {
   std::vector<CompileFlightInfo> out;
   out.reserve(flights_.size());
   for (const auto& [key, f] : flights_) {
-    out.push_back({key, f->slot, f->holder == std::thread::id() ? "" : f->holder_label,
-                   f->running, f->since_ns, f->waiters});
+    out.push_back({key, f->slot, f->holder == std::thread::id() ? "" : f->holder_label, f->running,
+                   f->since_ns, f->waiters});
   }
   return out;
 }
@@ -190,9 +192,9 @@ bool CompileQueue::acquire_slot(Lock& lock, const std::shared_ptr<Flight>& fligh
         const int64_t now = now_ns();
         throw CompileQueueTimeout(detail::str(
             "compile queue: waited ", seconds(now - call.start_ns), " for the ", flight->slot,
-            " slot to run '", flight->key, "'; the slot is held by ",
-            thread_name(slot.owner_label), " running '", slot.owner_key, "' for ",
-            seconds(now - slot.since_ns), ", with ", queue.size() - 1,
+            " slot to run '", flight->key, "'; the slot is held by ", thread_name(slot.owner_label),
+            " running '", slot.owner_key, "' for ", seconds(now - slot.since_ns), ", with ",
+            queue.size() - 1,
             " other flight(s) queued (pydflash.compile_queue.set_timeout changes the limit)"));
       }
     }
@@ -269,10 +271,10 @@ CompileResult CompileQueue::wait_for_outcome(Lock& lock, const std::shared_ptr<F
       }
       call.blocked = true;
       if (!wait_slice(lock, call)) {
-        throw CompileQueueTimeout(detail::str("compile queue: waited ",
-                                              seconds(now_ns() - call.start_ns), " for '",
-                                              flight->key, "', ", describe_locked(*flight, now_ns()),
-                                              " (pydflash.compile_queue.set_timeout changes the limit)"));
+        throw CompileQueueTimeout(
+            detail::str("compile queue: waited ", seconds(now_ns() - call.start_ns), " for '",
+                        flight->key, "', ", describe_locked(*flight, now_ns()),
+                        " (pydflash.compile_queue.set_timeout changes the limit)"));
       }
     }
   } catch (...) {
@@ -320,10 +322,12 @@ void CompileQueue::check_deadlock_locked(std::thread::id waited_for, const Call&
   // Each thread blocks on one thing at a time, so the wait-for graph is a chain.
   for (std::size_t step = 0; step <= blocked_.size() && t != std::thread::id(); ++step) {
     if (t == me) {
-      throw CompileQueueDeadlock(detail::str(
-          "compile queue: ", thread_name(call.options.label), " waiting for ", what, " to run '",
-          call.key, "' would deadlock: its holder waits, directly or through other threads, for "
-          "a key or slot that ", thread_name(call.options.label), " holds"));
+      throw CompileQueueDeadlock(
+          detail::str("compile queue: ", thread_name(call.options.label), " waiting for ", what,
+                      " to run '", call.key,
+                      "' would deadlock: its holder waits, directly or through other threads, for "
+                      "a key or slot that ",
+                      thread_name(call.options.label), " holds"));
     }
     auto b = blocked_.find(t);
     if (b == blocked_.end()) return;

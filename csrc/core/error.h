@@ -75,17 +75,17 @@ std::string str(const Args&... args) {
 
 }  // namespace pydflash
 
-#define PYDFLASH_CHECK_TYPED(type, cond, ...)                       \
-  do {                                                              \
+#define PYDFLASH_CHECK_TYPED(type, cond, ...)                                  \
+  do {                                                                         \
     if (!(cond)) throw ::pydflash::type(::pydflash::detail::str(__VA_ARGS__)); \
   } while (0)
 #define PYDFLASH_CHECK_VALUE(cond, ...) PYDFLASH_CHECK_TYPED(ValueError, cond, __VA_ARGS__)
 #define PYDFLASH_CHECK_TYPE(cond, ...) PYDFLASH_CHECK_TYPED(TypeError, cond, __VA_ARGS__)
 #define PYDFLASH_CHECK_STATE(cond, ...) PYDFLASH_CHECK_TYPED(StateError, cond, __VA_ARGS__)
-#define PYDFLASH_INTERNAL_ASSERT(cond)                                                   \
-  do {                                                                                   \
-    if (!(cond))                                                                         \
-      throw ::pydflash::InternalError(::pydflash::detail::str(                          \
-          "pydflash internal assert failed: ", #cond, " at ", __FILE__, ":", __LINE__, \
-          "; please report a bug"));                                                     \
+#define PYDFLASH_INTERNAL_ASSERT(cond)                                                          \
+  do {                                                                                          \
+    if (!(cond))                                                                                \
+      throw ::pydflash::InternalError(                                                          \
+          ::pydflash::detail::str("pydflash internal assert failed: ", #cond, " at ", __FILE__, \
+                                  ":", __LINE__, "; please report a bug"));                     \
   } while (0)

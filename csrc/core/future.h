@@ -64,8 +64,8 @@ class FutureState {
 
   /// Returns at once when done (the caller holds what the finisher held, so the
   /// outcome is visible); otherwise waits until published: spin_ns of polling first
-  /// (cheap when the result is close), then blocks in slices of slice_ns, calling `interrupted` between slices; a true return
-  /// from it abandons the wait. Returns whether the future is done.
+  /// (cheap when the result is close), then blocks in slices of slice_ns, calling `interrupted`
+  /// between slices; a true return from it abandons the wait. Returns whether the future is done.
   bool wait(double timeout_s, int64_t spin_ns, int64_t slice_ns,
             const std::function<bool()>& interrupted);
 

@@ -109,7 +109,8 @@ uint64_t Lane::take_id() {
   PYDFLASH_CHECK_STATE(!forked(), "this dispatcher was created in process ", owner_pid_,
                        " and cannot be used in a forked child (pid ", getpid(),
                        "); create a new Dispatcher in the child");
-  PYDFLASH_CHECK_STATE(!queue_.closed(), "cannot schedule new futures after shutdown of lane ", index_);
+  PYDFLASH_CHECK_STATE(!queue_.closed(), "cannot schedule new futures after shutdown of lane ",
+                       index_);
   return next_id_.fetch_add(1, std::memory_order_relaxed);
 }
 

@@ -168,9 +168,9 @@ class Lane : public std::enable_shared_from_this<Lane> {
   // Whether the worker holds the interpreter. Written by the worker only; futures' waiters
   // read it (Note [Finish, then publish]), also after the lane is gone: see in_interpreter_flag().
   std::atomic<bool>& in_interpreter_;
-  std::vector<void*> events_;  // result events to reuse; the worker's only
+  std::vector<void*> events_;               // result events to reuse; the worker's only
   std::unique_ptr<DeviceWatcher> watcher_;  // made by the worker on first use
-  bool entered_ = false;  // the truth, on the worker thread only
+  bool entered_ = false;                    // the truth, on the worker thread only
   std::thread* thread_ = nullptr;  // leaked in a forked child: its thread does not exist there
   // Counters on three cache lines, by who writes them, so a submitting thread and the
   // worker do not take each other's line on every task.
@@ -188,7 +188,6 @@ class Lane : public std::enable_shared_from_this<Lane> {
   std::mutex exit_mutex_;
   std::condition_variable exit_cv_;
   bool exited_ = false;
-
 
   std::atomic<bool> tracing_{false};
   std::mutex trace_mutex_;

@@ -79,7 +79,9 @@ class TaskQueue {
 
   /// Wakes the consumer to re-check its stop condition.
   void wake() {
-    { std::lock_guard<std::mutex> lock(mutex_); }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+    }
     cv_.notify_all();
   }
 

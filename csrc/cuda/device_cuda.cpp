@@ -103,9 +103,8 @@ void set_device(int device) { PYDFLASH_CUDA_CHECK(cudaSetDevice(device)); }
 
 Stream create_stream(int device, int priority) {
   cudaStream_t stream = nullptr;
-  on_device(device, [&] {
-    return cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, priority);
-  });
+  on_device(device,
+            [&] { return cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, priority); });
   return stream;
 }
 
@@ -143,14 +142,14 @@ void synchronize_stream(Stream stream) {
 }
 
 void stream_wait_event(Stream stream, Event event) {
-  PYDFLASH_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
-                                          static_cast<cudaEvent_t>(event), 0));
+  PYDFLASH_CUDA_CHECK(
+      cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0));
 }
 
 float elapsed_ms(Event start, Event end) {
   float ms = 0;
-  PYDFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start),
-                                           static_cast<cudaEvent_t>(end)));
+  PYDFLASH_CUDA_CHECK(
+      cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start), static_cast<cudaEvent_t>(end)));
   return ms;
 }
 

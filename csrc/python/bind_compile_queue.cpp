@@ -101,8 +101,8 @@ py::dict key_stats(const CompileKeyStats& s) {
 }  // namespace
 
 void init_compile_queue(py::module_& m) {
-  m.def("compile_queue_run", &run, py::arg("key"), py::arg("fn"), py::arg("slot"),
-        py::arg("label"), py::arg("timeout"),
+  m.def("compile_queue_run", &run, py::arg("key"), py::arg("fn"), py::arg("slot"), py::arg("label"),
+        py::arg("timeout"),
         "Runs fn() as the holder of `key`, or waits (without the GIL) for the holder's result.");
   m.def("compile_queue_stats", [] {
     std::map<std::string, CompileKeyStats> stats;

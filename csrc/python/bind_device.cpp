@@ -23,7 +23,9 @@ void init_device(py::module_& m) {
   m.def("driver_version", &device::driver_version);
   m.def(
       "busy_wait",
-      [](uintptr_t stream, uint64_t ns, int blocks) { device::busy_wait(as_ptr(stream), ns, blocks); },
+      [](uintptr_t stream, uint64_t ns, int blocks) {
+        device::busy_wait(as_ptr(stream), ns, blocks);
+      },
       py::arg("stream"), py::arg("ns"), py::arg("blocks") = 1,
       "Queues a kernel that keeps `blocks` thread blocks busy for `ns` nanoseconds.");
   m.def(

@@ -9,10 +9,10 @@
 #include "python/bindings.h"
 #include "python/future_object.h"
 #include "python/lane_runtime.h"
-#include "python/tasks.h"
-#include "python/torch_abi.h"
 #include "python/stdlib_waiters.h"
+#include "python/tasks.h"
 #include "python/timeout.h"
+#include "python/torch_abi.h"
 
 namespace py = pybind11;
 
@@ -43,8 +43,9 @@ PyObject* submit_to(PyLane& l, PyObject* owner, PyObject* const* args, Py_ssize_
     }
     py::object future = make_python_future(*l.rt, l.lane->take_id(), owner);
     l.lane->submit(state_of(future.ptr()),
-                   make_python_task(*l.rt, py::reinterpret_borrow<py::object>(fn), std::move(call_args),
-                                    std::move(kwargs), future, l.lane->tracing()));
+                   make_python_task(*l.rt, py::reinterpret_borrow<py::object>(fn),
+                                    std::move(call_args), std::move(kwargs), future,
+                                    l.lane->tracing()));
     return future.release().ptr();
   } catch (...) {
     set_python_error(std::current_exception());
@@ -229,11 +230,11 @@ void init_lane(py::module_& m) {
       .def_property_readonly("index", [](const PyLane& l) { return l.lane->index(); })
       .def_property_readonly("device", [](const PyLane& l) { return l.lane->device(); })
       .def_property_readonly("label", [](const PyLane& l) { return l.rt->label; })
-      .def_property_readonly("stream",
-                             [](const PyLane& l) { return reinterpret_cast<uintptr_t>(l.lane->stream()); })
-      .def_property_readonly("copy_stream", [](const PyLane& l) {
-        return reinterpret_cast<uintptr_t>(l.lane->copy_stream());
-      })
+      .def_property_readonly(
+          "stream", [](const PyLane& l) { return reinterpret_cast<uintptr_t>(l.lane->stream()); })
+      .def_property_readonly(
+          "copy_stream",
+          [](const PyLane& l) { return reinterpret_cast<uintptr_t>(l.lane->copy_stream()); })
       .def(
           "submit_graph",
           [](PyLane& l, uintptr_t graph_exec, py::object keepalive, py::handle owner) {

@@ -67,18 +67,17 @@ PyObject* no_new(PyTypeObject*, PyObject*, PyObject*) {
   return nullptr;
 }
 
-
 // Note [Futures across fork]: a child forked while a task was queued has no worker to
 // run it, so waiting for it would never end. Sets RuntimeError and returns true when
 // `f` waits for a lane of the parent process.
 bool orphaned_by_fork(FutureObject* f) {
   if (!f->state().made_before_fork()) return false;
   try {
-    const std::string message =
-        "this future's task was queued on pydflash " +
-        py::handle(f->lane).attr("label").cast<std::string>() +
-        " before a fork and cannot finish in the forked child (pid " + std::to_string(getpid()) +
-        "); create a new Dispatcher in the child";
+    const std::string message = "this future's task was queued on pydflash " +
+                                py::handle(f->lane).attr("label").cast<std::string>() +
+                                " before a fork and cannot finish in the forked child (pid " +
+                                std::to_string(getpid()) +
+                                "); create a new Dispatcher in the child";
     PyErr_SetString(PyExc_RuntimeError, message.c_str());
   } catch (...) {
     set_python_error(std::current_exception());
@@ -236,12 +235,11 @@ PyGetSetDef getset[] = {
      nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
-PyMemberDef members[] = {
-    {"_result", T_OBJECT, offsetof(FutureObject, result), 0, nullptr},
-    {"_exception", T_OBJECT, offsetof(FutureObject, exception), 0, nullptr},
-    {"_lane", T_OBJECT, offsetof(FutureObject, lane), READONLY, nullptr},
-    {"_callbacks", T_OBJECT, offsetof(FutureObject, callbacks), 0, nullptr},
-    {nullptr, 0, 0, 0, nullptr}};
+PyMemberDef members[] = {{"_result", T_OBJECT, offsetof(FutureObject, result), 0, nullptr},
+                         {"_exception", T_OBJECT, offsetof(FutureObject, exception), 0, nullptr},
+                         {"_lane", T_OBJECT, offsetof(FutureObject, lane), READONLY, nullptr},
+                         {"_callbacks", T_OBJECT, offsetof(FutureObject, callbacks), 0, nullptr},
+                         {nullptr, 0, 0, 0, nullptr}};
 
 }  // namespace
 

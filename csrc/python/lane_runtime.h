@@ -77,7 +77,7 @@ class LaneRuntime : public Interpreter {
   PyInterpreterState* interp_;
   PyThreadState* tstate_ = nullptr;
   const Lane* lane_ = nullptr;  // set when the worker starts
-  PyObject* future_type_;  // owned; released entered
+  PyObject* future_type_;       // owned; released entered
   LaneStreamSelection streams_;
 };
 

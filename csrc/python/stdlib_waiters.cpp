@@ -252,14 +252,13 @@ void init_stdlib_waiters() {
 
   PyObject* base = PyImport_ImportModule("concurrent.futures._base");
   if (base == nullptr) throw py::error_already_set();
-  shape_known =
-      read_class(base, "_AllCompletedWaiter", "_AllCompletedWaiter(1, False)",
-                 {str_lock, str_event, str_num_pending_calls, str_stop_on_exception},
-                 all_completed) &&
-      read_class(base, "_FirstCompletedWaiter", "_FirstCompletedWaiter()", {str_event},
-                 first_completed) &&
-      read_class(base, "_AsCompletedWaiter", "_AsCompletedWaiter()", {str_lock, str_event},
-                 as_completed);
+  shape_known = read_class(base, "_AllCompletedWaiter", "_AllCompletedWaiter(1, False)",
+                           {str_lock, str_event, str_num_pending_calls, str_stop_on_exception},
+                           all_completed) &&
+                read_class(base, "_FirstCompletedWaiter", "_FirstCompletedWaiter()", {str_event},
+                           first_completed) &&
+                read_class(base, "_AsCompletedWaiter", "_AsCompletedWaiter()",
+                           {str_lock, str_event}, as_completed);
   Py_DECREF(base);
   PyErr_Clear();  // a stdlib that moved: call the methods
 }

@@ -46,8 +46,8 @@ bool holds_no_gpu_memory(PyObject* result) {
 
 class PythonTask final : public TaskBody {
  public:
-  PythonTask(LaneRuntime& rt, py::object fn, py::tuple args, py::object kwargs,
-             py::object future, TorchSnapshot torch, std::string label)
+  PythonTask(LaneRuntime& rt, py::object fn, py::tuple args, py::object kwargs, py::object future,
+             TorchSnapshot torch, std::string label)
       : rt_(rt),
         fn_(std::move(fn)),
         args_(std::move(args)),
@@ -157,7 +157,7 @@ class GraphTask final : public TaskBody {
 };
 
 struct GraphCompletion {
-  Lane* lane;  // alive: its worker waits for device work before it exits
+  Lane* lane;          // alive: its worker waits for device work before it exits
   FutureState* state;  // inside `future`, which this keeps alive
   PyObject* keepalive;
   PyObject* future;
@@ -214,24 +214,22 @@ py::object make_python_future(LaneRuntime& rt, uint64_t id, py::handle lane) {
   return py::reinterpret_steal<py::object>(f);
 }
 
-std::unique_ptr<TaskBody> make_python_task(LaneRuntime& rt, py::object fn,
-                                           py::tuple args, py::object kwargs, py::object future,
-                                           bool tracing) {
+std::unique_ptr<TaskBody> make_python_task(LaneRuntime& rt, py::object fn, py::tuple args,
+                                           py::object kwargs, py::object future, bool tracing) {
   std::string label;
   if (tracing) {
     py::object name = py::getattr(fn, "__qualname__", py::none());
     label = name.is_none() ? py::str(py::type::of(fn).attr("__name__")).cast<std::string>()
                            : name.cast<std::string>();
   }
-  return std::make_unique<PythonTask>(rt, std::move(fn), std::move(args),
-                                      std::move(kwargs), std::move(future),
-                                      TorchSnapshot::capture(), std::move(label));
+  return std::make_unique<PythonTask>(rt, std::move(fn), std::move(args), std::move(kwargs),
+                                      std::move(future), TorchSnapshot::capture(),
+                                      std::move(label));
 }
 
 std::unique_ptr<TaskBody> make_graph_task(LaneRuntime& rt, uintptr_t graph_exec,
                                           py::object keepalive, py::object future) {
-  return std::make_unique<GraphTask>(rt, graph_exec, std::move(keepalive),
-                                     std::move(future));
+  return std::make_unique<GraphTask>(rt, graph_exec, std::move(keepalive), std::move(future));
 }
 
 }  // namespace pydflash::python

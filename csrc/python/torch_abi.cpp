@@ -252,7 +252,7 @@ void LaneStreamSelection::select(const Lane& lane) {
     Py_DECREF(r);
     torch_ready_ = true;
   }
-  if (set_stream_ == nullptr || lane_stream_is_current(lane)) return;  // step 2
+  if (set_stream_ == nullptr || lane_stream_is_current(lane)) return;   // step 2
   PyObject* r = PyObject_Call(set_stream_, set_stream_args_, nullptr);  // step 3
   if (r == nullptr) throw py::error_already_set();
   Py_DECREF(r);

@@ -107,9 +107,13 @@ def torch_gated_delta_rule(
     strict = inclusive.tril(-1)
     decay = (G[..., :, None] - G[..., None, :]).masked_fill(~inclusive, float("-inf")).exp()
     kk = (k @ k.transpose(-1, -2)) * decay
-    system = torch.eye(c, dtype=dtype, device=q.device) + beta[..., None] * kk.masked_fill(~strict, 0)
+    system = torch.eye(c, dtype=dtype, device=q.device) + beta[..., None] * kk.masked_fill(
+        ~strict, 0
+    )
     b = beta[..., None]
-    solve = functools.partial(torch.linalg.solve_triangular, system, upper=False, unitriangular=True)
+    solve = functools.partial(
+        torch.linalg.solve_triangular, system, upper=False, unitriangular=True
+    )
     W = solve(b * G.exp()[..., None] * k)
     U = solve(b * v)
     qk = (q @ k.transpose(-1, -2)) * decay

@@ -24,11 +24,18 @@ def _scaled(hidden: int, layers: int) -> dict[str, int]:
     value heads of 128) are sized for a 2048-wide model: at width 1024 they make the
     attention four times the width, and the GPU time of a forward larger."""
     return dict(
-        hidden_size=hidden, num_hidden_layers=layers, intermediate_size=3 * hidden,
-        num_attention_heads=hidden // 128, num_key_value_heads=2, head_dim=128,
-        linear_num_value_heads=hidden // 128, linear_num_key_heads=hidden // 256,
-        linear_key_head_dim=128, linear_value_head_dim=128,
-        moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden // 2,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=3 * hidden,
+        num_attention_heads=hidden // 128,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_value_heads=hidden // 128,
+        linear_num_key_heads=hidden // 256,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        moe_intermediate_size=hidden // 2,
+        shared_expert_intermediate_size=hidden // 2,
     )
 
 
@@ -38,10 +45,19 @@ def _scaled(hidden: int, layers: int) -> dict[str, int]:
 # 152k-way head does not outweigh the target in the pipeline's step.
 QWEN3_NEXT = {
     "qwen3-next-tiny": dict(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
-        linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
     ),
     "qwen3-next-small": dict(vocab_size=32000, **_scaled(hidden=1024, layers=8)),
     "qwen3-next-medium": dict(vocab_size=32000, **_scaled(hidden=2048, layers=16)),
@@ -60,7 +76,9 @@ def parse_layers(text: str) -> tuple[int, ...]:
     try:
         layers = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise ValueError(f"expected comma-separated layer indices like 1,3,5, got {text!r}") from None
+        raise ValueError(
+            f"expected comma-separated layer indices like 1,3,5, got {text!r}"
+        ) from None
     if len(set(layers)) != len(layers):
         raise ValueError(f"expected distinct layer indices, got {text!r}")
     return tuple(sorted(layers))
@@ -77,8 +95,9 @@ class HFTargetConfig:
     config: Any = dataclasses.field(compare=False, repr=False)  # transformers' config
 
     @classmethod
-    def load(cls, source: str | Path, layers: tuple[int, ...] | None = None,
-             moe: bool = False) -> HFTargetConfig:
+    def load(
+        cls, source: str | Path, layers: tuple[int, ...] | None = None, moe: bool = False
+    ) -> HFTargetConfig:
         from transformers import AutoConfig, Qwen3NextConfig
 
         source = str(source)
@@ -86,7 +105,9 @@ class HFTargetConfig:
             config = Qwen3NextConfig(**QWEN3_NEXT[source], **(MOE if moe else dict(num_experts=0)))
         elif Path(source).is_dir():
             if moe:
-                raise ValueError("expected --moe only with a Qwen3-Next config name, got a checkpoint")
+                raise ValueError(
+                    "expected --moe only with a Qwen3-Next config name, got a checkpoint"
+                )
             config = AutoConfig.from_pretrained(source, local_files_only=True)
         else:
             raise ValueError(
@@ -116,7 +137,9 @@ class HFTargetConfig:
         if self.source in QWEN3_NEXT:
             model = AutoModelForCausalLM.from_config(self.config, dtype=dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(self.source, local_files_only=True, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(
+                self.source, local_files_only=True, dtype=dtype
+            )
         return HFTarget(model, self.capture_layers).eval().requires_grad_(False)
 
 

@@ -101,7 +101,9 @@ def build_models(job: Job, placement: Placement, *, ddp: bool = False) -> Models
         replica.lm_head.to(target_dtype(device))
         drafters.append(replica)
     optimizers = [
-        torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=job.lr, weight_decay=0.0)
+        torch.optim.AdamW(
+            [p for p in d.parameters() if p.requires_grad], lr=job.lr, weight_decay=0.0
+        )
         for d in drafters
     ]
     if ddp:
@@ -139,8 +141,9 @@ def _to(obj: dict, device: str) -> dict:
 
 
 # --- the loops --------------------------------------------------------------------------------
-def sequential_steps(models: Models, placement: Placement, job: Job, batches: Iterable[dict],
-                     steps: int) -> Iterator[StepLosses]:
+def sequential_steps(
+    models: Models, placement: Placement, job: Job, batches: Iterable[dict], steps: int
+) -> Iterator[StepLosses]:
     """Target, copy, drafter, one microbatch after another on the calling thread."""
     drafter, optimizer = models.drafters[0], models.optimizers[0]
     forwards = [target_forward(t) for t in models.targets]
@@ -161,8 +164,9 @@ def sequential_steps(models: Models, placement: Placement, job: Job, batches: It
         yield _floats(losses)
 
 
-def executor_steps(models: Models, placement: Placement, job: Job, batches: Iterable[dict],
-                   steps: int, depth: int) -> Iterator[StepLosses]:
+def executor_steps(
+    models: Models, placement: Placement, job: Job, batches: Iterable[dict], steps: int, depth: int
+) -> Iterator[StepLosses]:
     """Target forwards on ThreadPoolExecutor threads (one per target lane, each on its
     own CUDA stream), up to `depth` microbatches ahead; the drafter on this thread."""
     drafter, optimizer = models.drafters[0], models.optimizers[0]
@@ -198,6 +202,7 @@ def executor_steps(models: Models, placement: Placement, job: Job, batches: Iter
     submitted = 0
     total = steps * job.accumulate
     with concurrent.futures.ThreadPoolExecutor(len(forwards), thread_name_prefix="target") as pool:
+
         def top_up() -> None:
             nonlocal submitted
             while len(queue) < depth and submitted < total:
@@ -223,8 +228,16 @@ class PipelineLoop:
     `graphs`, each target model's forward is one TargetGraphs for the lanes that share
     the model (one device): it replays CUDA graphs per shape bucket on GPU lanes."""
 
-    def __init__(self, models: Models, placement: Placement, job: Job, depth: int,
-                 *, trace: bool = False, graphs: bool = False) -> None:
+    def __init__(
+        self,
+        models: Models,
+        placement: Placement,
+        job: Job,
+        depth: int,
+        *,
+        trace: bool = False,
+        graphs: bool = False,
+    ) -> None:
         self.dispatcher = Dispatcher(placement.lanes, trace=trace)
         lanes = self.dispatcher.lanes
         n_targets = len(placement.targets)

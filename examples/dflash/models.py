@@ -113,8 +113,14 @@ class GatedDeltaNet(nn.Module):
         self.heads, self.head_dim = cfg.heads, cfg.head_dim
         inner = cfg.heads * cfg.head_dim
         self.in_proj = nn.Linear(cfg.dim, 4 * inner + 2 * cfg.heads, bias=False)  # q k v z b a
-        self.conv = nn.Conv1d(3 * inner, 3 * inner, cfg.conv_size, groups=3 * inner,
-                              padding=cfg.conv_size - 1, bias=False)
+        self.conv = nn.Conv1d(
+            3 * inner,
+            3 * inner,
+            cfg.conv_size,
+            groups=3 * inner,
+            padding=cfg.conv_size - 1,
+            bias=False,
+        )
         # As flash-linear-attention's GatedDeltaNet: A in (0, 16], a step size dt in
         # [1e-3, 0.1] log-uniform at a = 0 (dt_bias is softplus^-1(dt)).
         self.A_log = nn.Parameter(torch.log(torch.empty(cfg.heads).uniform_(0, 16).clamp_min(1e-4)))

@@ -174,7 +174,9 @@ def report_progress(mode: str, result: dict) -> None:
     crashed = sum(1 for lane in result["lanes"] if lane["error"])
     wrong = sum(1 for lane in result["lanes"] if lane["wrong"])
     died = f", died: {result['died']}" if result["died"] else ""
-    first = next((f"{lane['error']}  [{lane['where']}]" for lane in result["lanes"] if lane["error"]), "")
+    first = next(
+        (f"{lane['error']}  [{lane['where']}]" for lane in result["lanes"] if lane["error"]), ""
+    )
     print(
         f"  {mode:10s} {result['seconds']:7.1f} s  crashed lanes {crashed}  wrong {wrong}{died}"
         + (f"\n             first error: {first}" if first else ""),

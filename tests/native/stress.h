@@ -23,7 +23,8 @@ inline double stress_scale() {
   char* end = nullptr;
   const double scale = std::strtod(text, &end);
   if (end == text || *end != '\0' || !(scale > 0)) {
-    std::fprintf(stderr, "expected PYDFLASH_STRESS_SCALE to be a positive number, got '%s'\n", text);
+    std::fprintf(stderr, "expected PYDFLASH_STRESS_SCALE to be a positive number, got '%s'\n",
+                 text);
     std::exit(2);
   }
   return scale;

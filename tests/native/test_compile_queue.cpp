@@ -143,21 +143,27 @@ TEST_CASE("compile queue: a slot serves its callers first come, first served") {
   std::mutex order_mutex;
   std::vector<int> order;
   std::thread holder([&] {
-    q.run("first", [&] {
-      while (!release.load()) std::this_thread::yield();
-      return boxed(0);
-    }, on("cuda:0", "holder"));
+    q.run(
+        "first",
+        [&] {
+          while (!release.load()) std::this_thread::yield();
+          return boxed(0);
+        },
+        on("cuda:0", "holder"));
   });
   CHECK(eventually([&] { return is_running(q, "first"); }));
   std::vector<std::thread> queued;
   for (int i = 1; i <= 5; ++i) {
     const std::string key = "next" + std::to_string(i);
     queued.emplace_back([&, i, key] {
-      q.run(key, [&, i] {
-        std::lock_guard<std::mutex> lock(order_mutex);
-        order.push_back(i);
-        return boxed(i);
-      }, on("cuda:0"));
+      q.run(
+          key,
+          [&, i] {
+            std::lock_guard<std::mutex> lock(order_mutex);
+            order.push_back(i);
+            return boxed(i);
+          },
+          on("cuda:0"));
     });
     // The next thread starts only once this one is in the slot's queue.
     CHECK(eventually([&] { return is_queued(q, key); }));
@@ -172,10 +178,13 @@ TEST_CASE("compile queue: other slots and slot-less keys do not wait for a held 
   CompileQueue q;
   std::atomic<bool> release{false};
   std::thread holder([&] {
-    q.run("bench0", [&] {
-      while (!release.load()) std::this_thread::yield();
-      return boxed(0);
-    }, on("cuda:0"));
+    q.run(
+        "bench0",
+        [&] {
+          while (!release.load()) std::this_thread::yield();
+          return boxed(0);
+        },
+        on("cuda:0"));
   });
   CHECK(eventually([&] { return is_running(q, "bench0"); }));
   // Both finish while cuda:0 is still held; a wrong wait would time out instead.
@@ -189,15 +198,21 @@ TEST_CASE("compile queue: other slots and slot-less keys do not wait for a held 
 TEST_CASE("compile queue: the holder re-enters its key and its slot") {
   CompileQueue q;
   int depth = 0;
-  int result = unboxed(q.run("outer", [&] {
-    ++depth;
-    int same = unboxed(q.run("outer", [&] { return boxed(10); }, on("cuda:0")));
-    int inner = unboxed(q.run("inner", [&] {
-      int innermost = unboxed(q.run("innermost", [&] { return boxed(1); }, on("cuda:0")));
-      return boxed(100 + innermost);
-    }, on("cuda:0")));
-    return boxed(same + inner);
-  }, on("cuda:0", "", 30)));
+  int result = unboxed(q.run(
+      "outer",
+      [&] {
+        ++depth;
+        int same = unboxed(q.run("outer", [&] { return boxed(10); }, on("cuda:0")));
+        int inner = unboxed(q.run(
+            "inner",
+            [&] {
+              int innermost = unboxed(q.run("innermost", [&] { return boxed(1); }, on("cuda:0")));
+              return boxed(100 + innermost);
+            },
+            on("cuda:0")));
+        return boxed(same + inner);
+      },
+      on("cuda:0", "", 30)));
   CHECK(depth == 1);
   CHECK(result == 111);
   CHECK(q.in_flight().empty());
@@ -208,20 +223,29 @@ TEST_CASE("compile queue: the slot's owner takes over a key queued for its slot"
   std::thread::id ran_on;
   int queued_got = 0;
   std::thread queued;
-  const int outer = unboxed(q.run("outer", [&] {
-    queued = std::thread([&] {
-      queued_got = unboxed(q.run("shared", [&] {
-        ran_on = std::this_thread::get_id();
-        return boxed(5);
-      }, on("cuda:0", "queued")));
-    });
-    CHECK(eventually([&] { return is_queued(q, "shared"); }));
-    // Without the take-over this would wait for the queued thread, which waits for us.
-    return q.run("shared", [&] {
-      ran_on = std::this_thread::get_id();
-      return boxed(6);
-    }, on("cuda:0", "owner", 30));
-  }, on("cuda:0", "owner")));
+  const int outer = unboxed(q.run(
+      "outer",
+      [&] {
+        queued = std::thread([&] {
+          queued_got = unboxed(q.run(
+              "shared",
+              [&] {
+                ran_on = std::this_thread::get_id();
+                return boxed(5);
+              },
+              on("cuda:0", "queued")));
+        });
+        CHECK(eventually([&] { return is_queued(q, "shared"); }));
+        // Without the take-over this would wait for the queued thread, which waits for us.
+        return q.run(
+            "shared",
+            [&] {
+              ran_on = std::this_thread::get_id();
+              return boxed(6);
+            },
+            on("cuda:0", "owner", 30));
+      },
+      on("cuda:0", "owner")));
   queued.join();
   CHECK(outer == 6);
   CHECK(ran_on == std::this_thread::get_id());
@@ -233,10 +257,13 @@ TEST_CASE("compile queue: a timeout names the key, its holder and for how long")
   CompileQueue q;
   std::atomic<bool> release{false};
   std::thread holder([&] {
-    q.run("slow-key", [&] {
-      while (!release.load()) std::this_thread::yield();
-      return boxed(0);
-    }, on("cuda:3", "lane 2 (cuda:3)"));
+    q.run(
+        "slow-key",
+        [&] {
+          while (!release.load()) std::this_thread::yield();
+          return boxed(0);
+        },
+        on("cuda:3", "lane 2 (cuda:3)"));
   });
   CHECK(eventually([&] { return is_running(q, "slow-key"); }));
   std::string message;
@@ -276,7 +303,8 @@ TEST_CASE("compile queue: an interrupted waiter leaves; the holder is unaffected
   });
   CHECK(eventually([&] { return is_running(q, "k"); }));
   int polls = 0;
-  CHECK_THROWS_AS(q.run("k", [] { return boxed(1); }, {}, [&] { return ++polls == 3; }),
+  CHECK_THROWS_AS(q.run(
+                      "k", [] { return boxed(1); }, {}, [&] { return ++polls == 3; }),
                   CompileQueueInterrupted);
   CHECK(polls == 3);
   CHECK(waiters_are(q, "k", 0));
@@ -290,10 +318,13 @@ TEST_CASE("compile queue: a holder that gives up hands its key to a waiter") {
   std::atomic<bool> release{false};
   std::atomic<bool> give_up{false};
   std::thread owner([&] {
-    q.run("busy", [&] {
-      while (!release.load()) std::this_thread::yield();
-      return boxed(0);
-    }, on("cuda:0", "owner"));
+    q.run(
+        "busy",
+        [&] {
+          while (!release.load()) std::this_thread::yield();
+          return boxed(0);
+        },
+        on("cuda:0", "owner"));
   });
   CHECK(eventually([&] { return is_running(q, "busy"); }));
   bool first_interrupted = false;
@@ -306,9 +337,8 @@ TEST_CASE("compile queue: a holder that gives up hands its key to a waiter") {
   });
   CHECK(eventually([&] { return is_queued(q, "k"); }));
   int second_got = 0;
-  std::thread second([&] {
-    second_got = unboxed(q.run("k", [] { return boxed(2); }, on("cuda:0", "second")));
-  });
+  std::thread second(
+      [&] { second_got = unboxed(q.run("k", [] { return boxed(2); }, on("cuda:0", "second"))); });
   CHECK(eventually([&] { return waiters_are(q, "k", 1); }));
   give_up = true;
   first.join();
@@ -348,21 +378,27 @@ TEST_CASE("compile queue: a wait that closes a cycle raises instead of hanging")
   // A owns the cuda:0 slot and waits for key "b"; B runs "b" and then needs cuda:0.
   std::string a_error;
   try {
-    q.run("a", [&]() -> CompileResult {
-      b = std::thread([&] {
-        try {
-          q.run("b", [&] {
-            b_running = true;
-            CHECK(eventually([&] { return waiters_are(q, "b", 1); }));
-            return q.run("c", [] { return boxed(1); }, on("cuda:0", "thread B"));
-          }, on("", "thread B"));
-        } catch (const CompileQueueDeadlock& e) {
-          deadlock = e.what();
-        }
-      });
-      CHECK(eventually([&] { return b_running.load(); }));
-      return q.run("b", [] { return boxed(2); }, on("", "thread A"));
-    }, on("cuda:0", "thread A"));
+    q.run(
+        "a",
+        [&]() -> CompileResult {
+          b = std::thread([&] {
+            try {
+              q.run(
+                  "b",
+                  [&] {
+                    b_running = true;
+                    CHECK(eventually([&] { return waiters_are(q, "b", 1); }));
+                    return q.run("c", [] { return boxed(1); }, on("cuda:0", "thread B"));
+                  },
+                  on("", "thread B"));
+            } catch (const CompileQueueDeadlock& e) {
+              deadlock = e.what();
+            }
+          });
+          CHECK(eventually([&] { return b_running.load(); }));
+          return q.run("b", [] { return boxed(2); }, on("", "thread A"));
+        },
+        on("cuda:0", "thread A"));
   } catch (const CompileQueueDeadlock& e) {
     a_error = e.what();
     // B holds the same exception object: let it finish with it before this one is
@@ -394,14 +430,17 @@ TEST_CASE("compile queue: keys stay single-flight and slots exclusive under load
       for (int i = 0; i < kCalls; ++i) {
         const int k = static_cast<int>(rng() % 6);
         const int s = k % 3;  // a key always asks for the same slot
-        CompileResult r = q.run("key" + std::to_string(k), [&] {
-          if (running_per_key[k].fetch_add(1) != 0) violations.fetch_add(1);
-          if (s != 0 && running_per_slot[s].fetch_add(1) != 0) violations.fetch_add(1);
-          std::this_thread::yield();
-          if (s != 0) running_per_slot[s].fetch_sub(1);
-          running_per_key[k].fetch_sub(1);
-          return boxed(k);
-        }, on(slots[s]));
+        CompileResult r = q.run(
+            "key" + std::to_string(k),
+            [&] {
+              if (running_per_key[k].fetch_add(1) != 0) violations.fetch_add(1);
+              if (s != 0 && running_per_slot[s].fetch_add(1) != 0) violations.fetch_add(1);
+              std::this_thread::yield();
+              if (s != 0) running_per_slot[s].fetch_sub(1);
+              running_per_key[k].fetch_sub(1);
+              return boxed(k);
+            },
+            on(slots[s]));
         if (unboxed(r) != k) bad_results.fetch_add(1);
       }
     });

@@ -62,8 +62,8 @@ struct Call {
   int64_t start_ns = 0;
   int64_t end_ns = 0;
   Outcome outcome = Outcome::Result;
-  int run = -1;       // the run whose result or error this call received
-  bool ran = false;   // this call's own thread ran it
+  int run = -1;      // the run whose result or error this call received
+  bool ran = false;  // this call's own thread ran it
 };
 
 }  // namespace
@@ -177,7 +177,8 @@ TEST_CASE("compile queue stress: single flight with failing holders, slots, time
                       run->failed == (call.outcome == Outcome::Error) &&
                       call.start_ns <= run->returned_ns && run->start_ns <= call.end_ns;
       if (!ok && ++bad <= 10)
-        std::fprintf(stderr, "  call on key%d got run %d, which does not match\n", call.key, call.run);
+        std::fprintf(stderr, "  call on key%d got run %d, which does not match\n", call.key,
+                     call.run);
       if (!ok) continue;
       ++delivered[call.run];
       if (!call.ran) ++shared[call.key];
@@ -213,8 +214,8 @@ TEST_CASE("compile queue stress: single flight with failing holders, slots, time
               "results=%llu errors=%llu timeouts=%llu interrupts=%llu\n",
               (unsigned long long)(kCallers * calls_per_caller), total_runs,
               (unsigned long long)failed_runs, (unsigned long long)fanned_out,
-              (unsigned long long)results, (unsigned long long)errors,
-              (unsigned long long)timeouts, (unsigned long long)interrupts);
+              (unsigned long long)results, (unsigned long long)errors, (unsigned long long)timeouts,
+              (unsigned long long)interrupts);
 }
 
 TEST_CASE("compile queue stress: a failing holder's error reaches every waiter on its key") {
@@ -231,16 +232,19 @@ TEST_CASE("compile queue stress: a failing holder's error reaches every waiter o
     std::exception_ptr error;
     std::thread holder([&] {
       try {
-        queue.run(key, [&]() -> CompileResult {
-          holder_running.store(true);
-          // Fail only once every waiter is queued on this flight.
-          for (;;) {
-            auto flights = queue.in_flight();
-            if (!flights.empty() && flights[0].waiters == kWaiters) break;
-            std::this_thread::yield();
-          }
-          throw_kept(error, std::make_exception_ptr(RunFailed(static_cast<int>(it), key)));
-        }, options);
+        queue.run(
+            key,
+            [&]() -> CompileResult {
+              holder_running.store(true);
+              // Fail only once every waiter is queued on this flight.
+              for (;;) {
+                auto flights = queue.in_flight();
+                if (!flights.empty() && flights[0].waiters == kWaiters) break;
+                std::this_thread::yield();
+              }
+              throw_kept(error, std::make_exception_ptr(RunFailed(static_cast<int>(it), key)));
+            },
+            options);
         ++bad;  // the holder must see its own failure
       } catch (const RunFailed& e) {
         bad += e.run != static_cast<int>(it);
@@ -253,10 +257,13 @@ TEST_CASE("compile queue stress: a failing holder's error reaches every waiter o
       waiters.emplace_back([&] {
         barrier.arrive_and_wait();
         try {
-          queue.run(key, [&]() -> CompileResult {
-            waiter_runs.fetch_add(1);
-            return nullptr;
-          }, options);
+          queue.run(
+              key,
+              [&]() -> CompileResult {
+                waiter_runs.fetch_add(1);
+                return nullptr;
+              },
+              options);
         } catch (const RunFailed& e) {
           if (e.run == static_cast<int>(it)) waiter_errors.fetch_add(1);
         }

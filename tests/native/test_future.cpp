@@ -45,12 +45,14 @@ TEST_CASE("future: an observer and the finisher never both miss each other") {
     bool finisher_saw = false, observer_saw = false;
     std::thread finisher([&] {
       go.fetch_add(1);
-      while (go.load() < 2) {}
+      while (go.load() < 2) {
+      }
       finisher_saw = f.finish();
     });
     std::thread observer([&] {
       go.fetch_add(1);
-      while (go.load() < 2) {}
+      while (go.load() < 2) {
+      }
       f.mark_observed();
       observer_saw = f.done();
     });

@@ -234,8 +234,8 @@ void await(Round& round, uint32_t i, double timeout_s) {
   }
   const FutureStatus status = s.future->status();
   if (status == FutureStatus::Finished) {
-    const bool ok = s.fails ? failure_of(*s.future) == task_failure(i)
-                            : s.result == expected_result(i);
+    const bool ok =
+        s.fails ? failure_of(*s.future) == task_failure(i) : s.result == expected_result(i);
     if (!ok) round.breach(kWaiterSawWrongOutcome);
   } else if (status != FutureStatus::Cancelled) {
     round.breach(kWaiterSawWrongOutcome);
@@ -367,10 +367,21 @@ RoundResult run_round(int round_index, uint64_t quota) {
           continue;
         }
         switch (mrng() % 8) {
-          case 0: case 1: cancel(round, *i); break;
-          case 2: case 3: case 4: observe(round, *i); break;
-          case 5: await(round, *i, -1); break;
-          default: await(round, *i, 0.0); break;
+          case 0:
+          case 1:
+            cancel(round, *i);
+            break;
+          case 2:
+          case 3:
+          case 4:
+            observe(round, *i);
+            break;
+          case 5:
+            await(round, *i, -1);
+            break;
+          default:
+            await(round, *i, 0.0);
+            break;
         }
       }
     });
@@ -384,7 +395,8 @@ RoundResult run_round(int round_index, uint64_t quota) {
     const bool cancel_queued = rng() % 2;
     threads.emplace_back([&, trigger, lane, cancel_queued] {
       barrier.arrive_and_wait();
-      while (round.accepted.load() < trigger && producers_left.load() > 0) std::this_thread::yield();
+      while (round.accepted.load() < trigger && producers_left.load() > 0)
+        std::this_thread::yield();
       shutdown_lane(round, *lane, cancel_queued);
       if (!lane->join(-1)) round.breach(kJoinFailed);
     });
@@ -412,7 +424,8 @@ RoundResult run_round(int round_index, uint64_t quota) {
   const uint32_t used = round.next_slot.load();
   for (uint32_t i = 0; i < used; ++i) {
     Slot& s = round.slot(i);
-    if (s.accepted && !s.future->wait(-1, 0, kWaitSliceNs, nullptr)) round.breach(kForeverWaitReturnedFalse);
+    if (s.accepted && !s.future->wait(-1, 0, kWaitSliceNs, nullptr))
+      round.breach(kForeverWaitReturnedFalse);
   }
   round.device.close();
   device.join();
