@@ -59,6 +59,21 @@ class Setup:
     on_gpu: bool
     _made: list[dict] = dataclasses.field(default_factory=list, repr=False)
 
+    @classmethod
+    def for_model(
+        cls, ctx: Context, job: Job, placement: Placement, *, steps: int | None, on_gpu: bool
+    ) -> Setup:
+        """A real model's pipeline timing (real_target, scale_out): `steps` timed steps
+        per repetition, default 8 (3 with --quick)."""
+        return cls(
+            job,
+            placement,
+            steps=steps or ctx.reps(8, 3),
+            reps=ctx.reps(3, 1),
+            warmup=ctx.reps(2, 1),
+            on_gpu=on_gpu,
+        )
+
     def batches(self, count: int) -> list[dict]:
         # Made once and reused by every loop: long sequences take seconds to generate.
         if len(self._made) < count:

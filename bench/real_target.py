@@ -313,15 +313,7 @@ def target_rows(bench: Bench, n: int, times: dict[str, float], graphs: Any) -> l
 # --- pipeline step -------------------------------------------------------------------------
 def pipeline_steps(ctx: Context, options: Options, bench: Bench, models: Any) -> list[Row]:
     job, placement = bench.job, bench.placement
-    steps = options.pipeline_steps or (3 if ctx.quick else 8)
-    setup = Setup(
-        job,
-        placement,
-        steps=steps,
-        reps=1 if ctx.quick else 3,
-        warmup=1 if ctx.quick else 2,
-        on_gpu=bench.on_gpu,
-    )
+    setup = Setup.for_model(ctx, job, placement, steps=options.pipeline_steps, on_gpu=bench.on_gpu)
     warm = setup.batches(1)[0]
     times, graph_stats = {}, None
     ctx.progress(f"{bench.name}: sequential loop")

@@ -501,14 +501,8 @@ def pipeline_figures(
         accumulate=options.accumulate,
         lr=3e-4,
     )
-    steps = options.pipeline_steps or (3 if ctx.quick else 8)
-    setup = Setup(
-        job,
-        placement,
-        steps=steps,
-        reps=1 if ctx.quick else 3,
-        warmup=1 if ctx.quick else 2,
-        on_gpu=setting.on_gpu,
+    setup = Setup.for_model(
+        ctx, job, placement, steps=options.pipeline_steps, on_gpu=setting.on_gpu
     )
     depth = len(placement.targets) + 1  # every target lane one microbatch ahead of the drafter
     ctx.progress(f"{name}: building the models")
