@@ -11,6 +11,9 @@ collector in a ContextVar, so lanes may run one model's forward at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +137,7 @@ class HFTargetConfig:
         random weights drawn from torch's generator (seed it first)."""
         from transformers import AutoModelForCausalLM
 
+        _cpu_tensors_take_torch_kernels()
         if self.source in QWEN3_NEXT:
             model = AutoModelForCausalLM.from_config(self.config, dtype=dtype)
         else:
@@ -141,6 +145,32 @@ class HFTargetConfig:
                 self.source, local_files_only=True, dtype=dtype
             )
         return HFTarget(model, self.capture_layers).eval().requires_grad_(False)
+
+
+def _cpu_tensors_take_torch_kernels() -> None:
+    """transformers' Qwen3-Next takes flash-linear-attention's gated-delta-rule kernels
+    whenever FLA is installed, whatever device the tensors are on; they are Triton
+    kernels, for GPUs only. Routes CPU tensors (the tests, `--devices cpu`) to
+    transformers' own PyTorch implementation, the one it uses without FLA. Idempotent."""
+    if importlib.util.find_spec("fla") is None:
+        return
+    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        chosen = getattr(qwen3_next, name, None)
+        reference = getattr(chosen, "__wrapped__", None)  # under transformers' kernel wrapper
+        if reference is None or getattr(chosen, "routes_cpu_tensors", False):
+            continue
+        takes = inspect.signature(reference).parameters
+
+        @functools.wraps(chosen)
+        def routed(query, *args, _chosen=chosen, _reference=reference, _takes=takes, **kwargs):
+            if query.device.type != "cpu":
+                return _chosen(query, *args, **kwargs)
+            return _reference(query, *args, **{k: v for k, v in kwargs.items() if k in _takes})
+
+        routed.routes_cpu_tensors = True
+        setattr(qwen3_next, name, routed)
 
 
 class HFTarget(nn.Module):
