@@ -38,8 +38,9 @@ def run(
 ) -> T:
     """Runs fn() as the holder of `key`, or waits for the current holder and returns its
     result (or raises a copy of its exception, one per caller). `slot`: a resource held
-    exclusively while fn runs, e.g. `slot_for_device(0)`. `timeout`: seconds to wait before raising
-    pydflash.CompileQueueTimeout (default: `get_timeout()`)."""
+    exclusively while fn runs, e.g. `slot_for_device(0)`. `timeout`: seconds to wait before
+    raising pydflash.CompileQueueTimeout (default: `get_timeout()`); 0 or less does not
+    wait (Note [One timeout rule] in csrc/python/timeout.h)."""
     if not isinstance(key, str) or not key:
         raise TypeError(f"expected a non-empty str key, got {key!r}")
     if not callable(fn):
