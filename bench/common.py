@@ -118,7 +118,9 @@ class Context:
     gpus: int  # visible CUDA devices (0: CPU lanes only)
     progress: Callable[[str], None]  # one-line status for the progress display
     artifacts: dict[str, Any] = field(default_factory=dict)  # e.g. traces for the plot
-    options: Any = None  # a section's own settings, from its command line (python -m bench.<name>)
+    # Sections' own settings by section name, from a section's command line
+    # (python -m bench.<name>); a section without an entry takes its defaults.
+    options: dict[str, Any] = field(default_factory=dict)
 
     def reps(self, full: int, quick: int) -> int:
         return quick if self.quick else full

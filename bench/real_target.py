@@ -94,7 +94,7 @@ class Options:
 def run(ctx: Context) -> list[Row]:
     """Without transformers, HFTargetConfig.load raises ModuleNotFoundError: bench.run
     reports the section as not run, naming the missing package."""
-    options = ctx.options if isinstance(ctx.options, Options) else Options()
+    options = ctx.options.get(SECTION) or Options()
     if ctx.gpus:
         rows = []
         for size in options.sizes:
@@ -649,13 +649,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from bench import run as suite
 
-    return suite.main(["--sections", SECTION, *rest], options=options)
+    return suite.main(["--sections", SECTION, *rest], options={SECTION: options})
 
 
 if __name__ == "__main__":
-    # Through the module's importable name: run as `python -m bench.real_target`, this file is
-    # __main__, and the Options that bench.run's import of bench.real_target checks for are
-    # another class than __main__'s.
-    from bench.real_target import main as imported_main
-
-    sys.exit(imported_main())
+    sys.exit(main())

@@ -171,9 +171,9 @@ def _status_row(section: str, status: str, reason: str) -> Row:
     return Row(section, f"section {status}", None, "", note=reason, extra={"status": status})
 
 
-def main(argv: Sequence[str] | None = None, options: Any = None) -> int:
-    """`options` reaches the sections as ctx.options: a section's own command line
-    passes its settings through here."""
+def main(argv: Sequence[str] | None = None, options: dict[str, Any] | None = None) -> int:
+    """`options` ({section name: settings}) reaches the sections as ctx.options: a
+    section's own command line passes its settings through here."""
     args = parse_args(argv)
     if args.plot and (why := report.matplotlib_missing()):
         print(why, file=sys.stderr)
@@ -181,7 +181,9 @@ def main(argv: Sequence[str] | None = None, options: Any = None) -> int:
     started = time.perf_counter()
     progress = Progress(len(args.sections))
     header = machine()
-    ctx = Context(quick=args.quick, gpus=header["gpus_used"], progress=progress, options=options)
+    ctx = Context(
+        quick=args.quick, gpus=header["gpus_used"], progress=progress, options=options or {}
+    )
     rows: list[Row] = []
     sections: dict[str, dict[str, Any]] = {}
     try:

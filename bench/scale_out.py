@@ -145,7 +145,7 @@ class Setting:
 def run(ctx: Context) -> list[Row]:
     """Without transformers, HFTargetConfig.load raises ModuleNotFoundError: bench.run
     reports the section as not run, naming the missing package."""
-    options = ctx.options if isinstance(ctx.options, Options) else Options()
+    options = ctx.options.get(SECTION) or Options()
     if ctx.gpus:
         return measure(ctx, options, make_setting(options, torch.cuda.device_count()))
     # CPU lanes share the host's cores: one intra-op thread each (as bench/pipeline.py).
@@ -679,13 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parse_args(argv)
     from bench import run as suite
 
-    return suite.main(["--sections", SECTION, *rest], options=options_of(args))
+    return suite.main(["--sections", SECTION, *rest], options={SECTION: options_of(args)})
 
 
 if __name__ == "__main__":
-    # Through the module's importable name: run as `python -m bench.scale_out`, this file is
-    # __main__, and the Options that bench.run's import of bench.scale_out checks for are
-    # another class than __main__'s.
-    from bench.scale_out import main as imported_main
-
-    sys.exit(imported_main())
+    sys.exit(main())
