@@ -39,3 +39,10 @@ def call_in_state(state: tuple, fn: Callable[..., Any], args: tuple, kwargs: dic
                 torch.autocast(device_type, dtype=dtype, enabled=True, cache_enabled=cache)
             )
         return fn(*args, **kwargs)
+
+
+def match_intra_op_threads(threads: int) -> None:
+    # A worker keeps the intra-op thread count torch had when it first ran torch code;
+    # the caller's count keeps CPU reductions in the caller's order.
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

@@ -97,3 +97,11 @@ def hand_to_lane(value: Any, src: Any, event: int, dst: Any) -> tuple[Any, int]:
             if tensor.is_cuda:
                 tensor.record_stream(compute)
     return moved, sum(t.nbytes for t in tensors(moved))
+
+
+def to_lane(batch: Any, lane: Any) -> Any:
+    """The batch's tensors moved to a GPU lane's device (non-blocking); unchanged on a CPU lane."""
+    if not lane.is_gpu:
+        return batch
+    device = torch.device(lane.device)
+    return map_tensors(lambda t: t.to(device, non_blocking=True), batch)

@@ -40,93 +40,15 @@ from typing import Any
 
 import torch
 
+from ._checks import counted
 from ._future import Future
+from ._torch_state import match_intra_op_threads
 from .errors import PipelineError
-from .handoff import hand_to_lane, map_tensors, tensors
+from .handoff import hand_to_lane, tensors
 from .lane import Lane
+from .stages import EagerTarget, TargetStage
 
 STAGES = ("data", "target", "transfer", "drafter", "reduce", "optimizer")
-
-
-# --- target stages ------------------------------------------------------------------------
-class TargetStage:
-    """How one target microbatch runs on a target lane. `submit(lane, batch)` returns a
-    pydflash Future of what the drafter's loss receives after the handoff; its `.event`
-    (GPU lanes) must follow the GPU work that produces it."""
-
-    def check_lane(self, lane: Lane) -> None:
-        """Raises ValueError when this stage cannot run on `lane`."""
-
-    def submit(self, lane: Lane, batch: Any) -> Future:
-        raise NotImplementedError
-
-    #: Whether results come from buffers the stage reuses once `release` gives them back.
-    recycles = False
-
-    def release(self, result: Any, event: Any) -> None:
-        """Called with a result the drafter is done with once `event` (a torch.cuda.Event)
-        has passed on the GPU; only stages that recycle their buffers act on it."""
-
-
-class EagerTarget(TargetStage):
-    """Calls fn(batch) on the lane under torch.no_grad(), the batch's tensors first moved
-    to the lane's device (non-blocking)."""
-
-    def __init__(self, fn: Callable[[Any], Any]) -> None:
-        if not callable(fn):
-            raise TypeError(f"expected a callable target, got {type(fn).__name__}")
-        self.fn = fn
-
-    def submit(self, lane: Lane, batch: Any) -> Future:
-        return lane.submit(_run_target, self.fn, lane, batch, torch.get_num_threads())
-
-
-class GraphTarget(TargetStage):
-    """A target captured as a CUDA graph on one lane: `captured.run(*inputs)` replays it
-    and returns a Future of its static outputs (pydflash.graphs.CapturedGraph). The next
-    replay overwrites those outputs, so a task on the same lane clones them on the lane
-    stream first; the clone's future is the stage's result. `inputs(batch)` gives the
-    replay's arguments (default: the batch itself, or its items when it is a tuple)."""
-
-    def __init__(self, captured: Any, inputs: Callable[[Any], tuple] | None = None) -> None:
-        if not callable(getattr(captured, "run", None)):
-            raise TypeError(
-                "expected a captured graph with a run(*inputs) method, "
-                f"got {type(captured).__name__}"
-            )
-        if inputs is not None and not callable(inputs):
-            raise TypeError(
-                f"expected inputs to be a callable or None, got {type(inputs).__name__}"
-            )
-        self.captured = captured
-        self.inputs = inputs
-
-    def check_lane(self, lane: Lane) -> None:
-        own = getattr(self.captured, "lane", None)
-        if own is not None and own is not lane:
-            raise ValueError(
-                f"expected the graph's own lane ({own!r}) as its target lane, got {lane!r}"
-            )
-
-    def submit(self, lane: Lane, batch: Any) -> Future:
-        if self.inputs is not None:
-            args = tuple(self.inputs(batch))
-        else:
-            args = batch if isinstance(batch, tuple) else (batch,)
-        replay = self.captured.run(*args)
-        return lane.submit(_clone_replay, replay)
-
-
-def _run_target(fn: Callable[[Any], Any], lane: Lane, batch: Any, threads: int) -> Any:
-    match_intra_op_threads(threads)
-    with torch.no_grad():
-        return fn(to_lane(batch, lane))
-
-
-def _clone_replay(replay: Future) -> Any:
-    outputs = replay.result()
-    with torch.no_grad():
-        return map_tensors(torch.Tensor.clone, outputs)
 
 
 # --- results ------------------------------------------------------------------------------
@@ -275,8 +197,8 @@ class Pipeline:
         if not callable(loss):
             raise TypeError(f"expected a callable loss(drafter, inputs), got {type(loss).__name__}")
         self._loss = loss
-        self.accumulate = _positive_int(accumulate, "accumulate")
-        self.depth = _positive_int(depth, "depth")
+        self.accumulate = counted(accumulate, "accumulate")
+        self.depth = counted(depth, "depth")
         if self.accumulate % n_drafters:
             raise ValueError(
                 f"expected accumulate to be a multiple of the {n_drafters} drafter lanes, "
@@ -345,7 +267,7 @@ class Pipeline:
         and running work has finished; the pipeline then refuses to run again. Leaving
         the loop early cancels queued work the same way, and the next run starts afresh."""
         if steps is not None:
-            _positive_int(steps, "steps")
+            counted(steps, "steps")
         try:
             batch_iter = iter(batches)
         except TypeError:
@@ -713,20 +635,6 @@ def _input_of(future: Future) -> Any:
         raise _Upstream(f"an earlier stage failed: {exc!r}") from None
 
 
-def to_lane(batch: Any, lane: Lane) -> Any:
-    if not lane.is_gpu:
-        return batch
-    device = torch.device(lane.device)
-    return map_tensors(lambda t: t.to(device, non_blocking=True), batch)
-
-
-def match_intra_op_threads(threads: int) -> None:
-    # A worker keeps the intra-op thread count torch had when it first ran torch code;
-    # the caller's count keeps CPU reductions in the caller's order.
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-
-
 def _stage_error(
     stage: str, k: int | None, lane: Lane | None, exc: BaseException, *, step: int | None = None
 ) -> PipelineError:
@@ -822,11 +730,3 @@ def _is_optimizer(value: Any) -> bool:
 
 def _has_step(value: Any) -> bool:
     return callable(getattr(value, "step", None))
-
-
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"expected {name} to be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"expected {name} >= 1, got {value}")
-    return value

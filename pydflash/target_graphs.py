@@ -58,10 +58,11 @@ from torch.utils import _pytree as pytree
 
 from . import compile_queue
 from ._future import Future
+from ._torch_state import match_intra_op_threads
 from .errors import GraphFallbackWarning, GraphMemoryError
-from .handoff import tensors
+from .handoff import tensors, to_lane
 from .lane import Lane
-from .pipeline import TargetStage, match_intra_op_threads, to_lane
+from .stages import TargetStage
 
 DEFAULT_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_RING = 4

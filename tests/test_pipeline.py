@@ -14,7 +14,8 @@ import torch
 import pydflash
 from pydflash import pipeline as pipeline_module
 from pydflash.errors import PipelineError
-from pydflash.pipeline import STAGES, GraphTarget, Pipeline, StepResult, TargetStage
+from pydflash.pipeline import STAGES, Pipeline, StepResult
+from pydflash.stages import GraphTarget, TargetStage
 
 WAIT_S = 30.0  # bound on waits that must end well before it; only a bug reaches it
 _INIT_LOCK = threading.Lock()  # module init draws from torch's global RNG

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pydflash import Dispatcher, TargetGraphs
-from pydflash.pipeline import EagerTarget, Pipeline, TargetStage
+from pydflash.pipeline import Pipeline
+from pydflash.stages import EagerTarget, TargetStage
 
 from .models import BlockDrafter, DrafterConfig, TargetConfig
 
