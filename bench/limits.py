@@ -1,0 +1,133 @@
+"""What a stage costs against its physical limits: GPU-busy time from the profiler, host
+CPU time of the process's threads, and MFU from a FLOP count. Wall time alone hides a
+host-bound stage: a step that takes 50 ms of wall time on 20 ms of kernels is bound by
+its Python, not by the GPU.
+
+    cost = measure(step, reps=5)           # runs step() 5 times (after one warm-up)
+    cost.wall_ms, cost.gpu_busy_ms, cost.host_ms
+
+GPU-busy time is the union of the intervals in which any kernel, copy or memset ran on
+a device, per device, from the profiler's device activity (kineto/CUPTI): kernels that
+overlap on two streams count once. Host time is the user + system CPU time of every
+thread of the process (Linux /proc), idle lane workers' polling included, so it is an
+upper bound on what the stage's Python cost. Without a GPU, gpu_busy_ms is None.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# A device's dense bf16 matrix rate, FLOP/s, by the name torch reports; the MFU
+# denominator. H100/H200 SXM: 989 TFLOP/s dense bf16 (NVIDIA's datasheet).
+PEAK_BF16_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12}
+
+
+@dataclass
+class Cost:
+    wall_ms: float  # per call
+    gpu_busy_ms: float | None  # per call, summed over devices; None without a GPU
+    host_ms: float  # per call: CPU time of all the process's threads
+    busy_by_device: dict[int, float]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "wall_ms": self.wall_ms,
+            "gpu_busy_ms": self.gpu_busy_ms,
+            "host_ms": self.host_ms,
+            "busy_by_device_ms": self.busy_by_device,
+        }
+
+
+def thread_cpu_seconds() -> float:
+    """User + system CPU seconds of every live thread of this process."""
+    total = 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir("/proc/self/task")
+    except FileNotFoundError:  # not Linux: the process's time (threads included)
+        return time.process_time()
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
+
+
+def measure(fn: Callable[[], Any], *, reps: int, warmup: int = 1, sync: bool = True) -> Cost:
+    """Wall, GPU-busy and host CPU time per call of fn(), over `reps` calls after `warmup`.
+    fn must leave no GPU work running past a synchronize (sync=True synchronizes every
+    device after each call so the wall time covers the GPU work)."""
+    gpu = torch.cuda.is_available()
+
+    def call() -> None:
+        fn()
+        if gpu and sync:
+            for d in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(d)
+
+    for _ in range(warmup):
+        call()
+    if not gpu:
+        cpu0, t0 = thread_cpu_seconds(), time.perf_counter()
+        for _ in range(reps):
+            call()
+        wall, cpu = time.perf_counter() - t0, thread_cpu_seconds() - cpu0
+        return Cost(wall * 1e3 / reps, None, cpu * 1e3 / reps, {})
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        cpu0, t0 = thread_cpu_seconds(), time.perf_counter()
+        for _ in range(reps):
+            call()
+        wall, cpu = time.perf_counter() - t0, thread_cpu_seconds() - cpu0
+    busy = {d: ns / 1e6 / reps for d, ns in device_busy_ns(prof).items()}
+    return Cost(wall * 1e3 / reps, sum(busy.values()), cpu * 1e3 / reps, busy)
+
+
+def device_busy_ns(prof: Any) -> dict[int, int]:
+    """Per device, the length of the union of its activity intervals in a profile."""
+    intervals: dict[int, list[tuple[int, int]]] = {}
+    for event in prof.profiler.kineto_results.events():
+        if event.device_type() != torch.autograd.DeviceType.CUDA:
+            continue
+        start = event.start_ns()
+        intervals.setdefault(event.device_index(), []).append((start, start + event.duration_ns()))
+    return {device: union_length(spans) for device, spans in intervals.items()}
+
+
+def union_length(spans: list[tuple[int, int]]) -> int:
+    """Total length covered by a set of [start, end) intervals."""
+    total, end = 0, None
+    for lo, hi in sorted(spans):
+        if end is None or lo > end:
+            total += hi - lo
+            end = hi
+        elif hi > end:
+            total += hi - end
+            end = hi
+    return total
+
+
+def peak_flops(device: int = 0) -> float | None:
+    """The device's dense bf16 peak in FLOP/s, or None for a device not in the table."""
+    if not torch.cuda.is_available():
+        return None
+    return PEAK_BF16_FLOPS.get(torch.cuda.get_device_name(device))
+
+
+def count_flops(fn: Callable[[], Any]) -> int:
+    """FLOPs of one call of fn(), counted by torch.utils.flop_counter (matmuls, convolutions
+    and attention; elementwise work is not counted, as MFU conventions do)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()

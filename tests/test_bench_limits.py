@@ -1,0 +1,34 @@
+"""bench/limits.py: the interval union behind GPU-busy time, host CPU time, FLOP counts."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bench import limits
+
+
+def test_union_counts_overlapping_spans_once():
+    assert limits.union_length([]) == 0
+    assert limits.union_length([(0, 10), (5, 15), (20, 30)]) == 25
+    assert limits.union_length([(20, 30), (0, 10), (2, 3)]) == 20
+    assert limits.union_length([(0, 10), (10, 12)]) == 12
+
+
+def test_host_time_counts_cpu_work_and_not_sleep():
+    def spin() -> None:
+        end = time.perf_counter() + 0.05
+        while time.perf_counter() < end:
+            pass
+
+    busy = limits.measure(spin, reps=2, warmup=0)
+    idle = limits.measure(lambda: time.sleep(0.05), reps=2, warmup=0)
+    assert busy.wall_ms >= 45 and idle.wall_ms >= 45
+    assert busy.host_ms >= 30
+    assert idle.host_ms < busy.host_ms / 2
+
+
+def test_flop_count_of_a_matmul():
+    a, b = torch.randn(8, 16), torch.randn(16, 32)
+    assert limits.count_flops(lambda: a @ b) == 2 * 8 * 16 * 32
