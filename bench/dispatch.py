@@ -78,7 +78,7 @@ def stdlib_as_completed(executor: concurrent.futures.Executor) -> Callable[[], N
 def measure(ctx: Context, kind: str, device: Any) -> list[Row]:
     import pydflash
 
-    reps = ctx.reps(1000, 100)
+    reps = ctx.reps(1000, 100, default=500)
     us = 1e6
     lane = pydflash.Dispatcher([device])
     traced = pydflash.Dispatcher([device], trace=True)
@@ -190,7 +190,7 @@ def breakdown(ctx: Context) -> list[Row]:
     event recorded per task, and ThreadPoolExecutor(1)."""
     import pydflash
 
-    reps = ctx.reps(1000, 100)
+    reps = ctx.reps(1000, 100, default=500)
     us = 1e6 / PIPELINED
     cpu = pydflash.Dispatcher(["cpu"])
     gpu = pydflash.Dispatcher([0])

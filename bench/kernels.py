@@ -21,6 +21,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import os
+import warnings
 from typing import Any
 
 FALLBACK_ENV = "PYDFLASH_BENCH_FALLBACK"
@@ -199,8 +200,11 @@ def attention_backend(forward: Any, batch: Any, model: Any = None) -> str:
         config = getattr(getattr(model, "model", model), "config", None)
         implementation = getattr(config, "_attn_implementation", None)
     try:
-        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
-            forward(batch)
+        # The profiler's own warnings (CUPTI, Kineto) say nothing about the target.
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                forward(batch)
         names = {event.key for event in prof.key_averages()}
     except Exception as exc:  # noqa: BLE001 - a name for a note, never a failure
         return f"{implementation or 'unknown'} (profiler failed: {type(exc).__name__})"

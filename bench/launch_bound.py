@@ -47,7 +47,7 @@ def make_model(width: int, depth: int, device: Any) -> Any:
 def run(ctx: Context) -> list[Row]:
     gpu = ctx.gpus > 0
     if gpu:
-        counts = [2, 4] if ctx.quick else [2, 4, 8]
+        counts = ctx.pick([2, 4, 8], [2, 4], [2, 8])
         config = {
             "width": 256,
             "forwards": ctx.reps(24, 8, default=8),

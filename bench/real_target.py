@@ -112,7 +112,7 @@ class Options:
     lanes: tuple[int, ...] | None = None  # default: 1, 4; --full and --quick 1, 2, 4
     batch: int = 1
     seq: dict[str, int | None] = dataclasses.field(default_factory=dict)
-    reps: int | None = None  # target-step samples per alternative (20, 10 default, 5 quick)
+    reps: int | None = None  # target-step samples per alternative (20 full, 8, 5 quick)
     pipeline_steps: int | None = None  # timed optimizer steps per repetition
     accumulate: int = 4
     ratio: str = "1:1"  # pipeline target:drafter lanes, all on cuda:0
@@ -135,7 +135,7 @@ class Options:
             sizes=self.sizes
             or ctx.pick(("small", "medium", "large"), ("small", "medium"), ("small",)),
             lanes=self.lanes or ctx.pick((1, 2, 4), (1, 2, 4), (1, 4)),
-            reps=self.reps or ctx.reps(20, 5, default=10),
+            reps=self.reps or ctx.reps(20, 5, default=8),
             compile_timeout=(
                 self.compile_timeout if self.compile_timeout is not None else ctx.reps(180, 0, 0)
             ),
@@ -827,7 +827,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(
         "--reps",
         type=int,
-        help="target-step samples per alternative (default 10, 20 with --full, 5 quick)",
+        help="target-step samples per alternative (default 8, 20 with --full, 5 quick)",
     )
     p.add_argument("--pipeline-steps", type=int, help="timed pipeline steps (default 8, 3 quick)")
     p.add_argument("--accumulate", type=int, default=Options.accumulate)

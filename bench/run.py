@@ -51,11 +51,11 @@ from .common import Context, Row, meets
 SECTIONS = {
     "dispatch": 8,
     "overlap": 3,
-    "launch_bound": 15,
+    "launch_bound": 12,
     "compile_queue": 25,
     "pipeline": 30,
-    "real_target": 60,
-    "scale_out": 35,
+    "real_target": 55,
+    "scale_out": 30,
 }
 UNKNOWN_SECTION_S = 30  # a section without an estimate
 MODE_SCALE = {"quick": 1.0, "default": 1.0, "full": 5.0}  # before any section has ended
