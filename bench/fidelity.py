@@ -36,7 +36,9 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -408,7 +410,11 @@ def measure(target: Target, lanes: list | None = None, diagnose: bool = False) -
         }
         del graphs, plain, replayed
         if diagnose:
-            result["diagnosis"] = diagnosis(target, big, t)
+            try:
+                result["diagnosis"] = diagnosis(target, big, t)
+            except Exception as exc:  # noqa: BLE001 - the end-to-end figures still stand
+                traceback.print_exc()
+                result["diagnosis_failed"] = f"{type(exc).__name__}: {_first_line(exc)}"
     finally:
         if own is not None:
             own.shutdown()
@@ -459,13 +465,18 @@ def diagnosis(target: Target, big: dict, t: int) -> dict[str, Any]:
                 remedies[name] = rel_err(features(cut_output(out, t)), reference)
                 del graph, out
         except Exception as exc:  # noqa: BLE001 - a remedy that cannot run is reported
-            remedies[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            remedies[name] = f"{type(exc).__name__}: {_first_line(exc)}"
     return {
         "capture": capture,
         "padding": padding,
         "autotune_during_capture": autotune_diff(before, during),
         "remedies": remedies,
     }
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:160] if lines else ""
 
 
 # --- rows (real_target) ----------------------------------------------------------------------
@@ -533,6 +544,8 @@ def format_result(result: dict[str, Any]) -> str:
         f"{len(a['new'])}; changed: {len(a['changed'])}"
         + (f" ({', '.join((a['new'] + a['changed'])[:4])})" if a["new"] or a["changed"] else "")
     )
+    if "diagnosis_failed" in result:
+        out.append(f"the call-by-call diagnosis failed: {result['diagnosis_failed']}")
     d = result.get("diagnosis")
     if d:
         out.append("where the bits change, call by call (probed leaf modules and kernels):")
@@ -630,16 +643,27 @@ def reading(result: dict[str, Any]) -> str:
 
 # --- command line ----------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.fidelity", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--configs", default="dense,moe", help="dense, moe or both (default both)")
     p.add_argument("--size", default="qwen3-next-small", help="a config of examples/dflash/hf.py")
     p.add_argument("--seq", type=int, default=SEQ, help=f"tokens (default {SEQ}, bucket 1024)")
     p.add_argument("--no-diagnose", action="store_true", help="only the end-to-end figures")
+    p.add_argument(
+        "--fallback",
+        help="fast kernels to leave out, e.g. causal_conv1d (as PYDFLASH_BENCH_FALLBACK)",
+    )
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if not configs or any(c not in CONFIGS for c in configs):
         p.error(f"expected --configs from {', '.join(CONFIGS)}, got {args.configs!r}")
+    if args.fallback is not None:
+        try:
+            os.environ[kernels.FALLBACK_ENV] = ",".join(kernels.parse_fallbacks(args.fallback))
+        except ValueError as exc:
+            p.error(str(exc))
     if not torch.cuda.is_available():
         print("bench.fidelity needs a GPU: it compares CUDA graph replays", file=sys.stderr)
         return 2
@@ -649,9 +673,16 @@ def main(argv: list[str] | None = None) -> int:
         f"‖a - b‖ / ‖b‖ over the {args.seq} real tokens' features (0 = bit-identical)",
         flush=True,
     )
+    failed = False
     for config in configs:
-        target = build(args.size, config == "moe", args.seq)
-        result = measure(target, diagnose=not args.no_diagnose)
+        try:
+            target = build(args.size, config == "moe", args.seq)
+            result = measure(target, diagnose=not args.no_diagnose)
+        except Exception:  # noqa: BLE001 - report it and go on to the next config
+            traceback.print_exc()
+            print(f"== {config}: failed, see the traceback above ==", flush=True)
+            failed = True
+            continue
         results.append(result)
         print(format_result(result), flush=True)
         del target
@@ -661,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.report import write_json
 
         write_json({"fidelity": results}, args.json)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
