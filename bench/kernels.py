@@ -130,8 +130,16 @@ def bound_implementation(fn: Any) -> Any:
             nonlocals = {}
         if "implementation" in nonlocals:
             return nonlocals["implementation"]
+        # A release that names it otherwise: a callable from one of the fast packages.
+        for value in nonlocals.values():
+            if callable(value) and _package_of(value) in PACKAGES:
+                return value
         fn = getattr(fn, "__wrapped__", None)
     return None
+
+
+def _package_of(fn: Any) -> str:
+    return (getattr(fn, "__module__", "") or "").split(".")[0]
 
 
 def _version(distribution: str) -> str:
@@ -145,10 +153,12 @@ def kernel_name(package: str, implementation: Any) -> str:
     """'FLA 0.6.0', 'causal-conv1d 1.7.0', or 'torch fallback (...)' with the reason."""
     distribution = PACKAGES[package][0]
     module = getattr(implementation, "__module__", "") or ""
-    if module.split(".")[0] == package:
+    if _package_of(implementation) == package:
         short = "FLA" if package == "fla" else distribution
         return f"{short} {_version(distribution)}"
     if implementation is None:
+        if importlib.util.find_spec(package) is None:  # nothing else it could have bound
+            return f"torch fallback ({distribution} not installed)"
         return "unknown (transformers' binding not recognised)"
     if module.startswith("transformers") or getattr(implementation, "bench_fallback", False):
         if package in forced_fallbacks():

@@ -834,3 +834,39 @@ def test_probes_record_leaf_modules_and_kernels_then_leave():
     padding = fidelity.compare_calls(list(calls), list(longer))
     assert padding["aligned"] and padding["calls"] == len(calls)
     assert hooks() == hooks_before
+
+
+def test_the_bound_kernel_is_read_through_wrappers():
+    """As transformers binds it: a wrapper closing over `implementation`, under our own
+    wrappers (examples/dflash/hf.py routes CPU tensors, the bench forces fallbacks)."""
+    import functools
+
+    from bench import kernels
+
+    def fast(x):
+        return x
+
+    fast.__module__ = "fla.ops.gated_delta_rule.chunk"
+
+    def reference(x):
+        return x
+
+    def bind(implementation):
+        @functools.wraps(reference)
+        def wrapped(*args, **kwargs):
+            return implementation(*args, **kwargs)
+
+        return wrapped
+
+    chosen = bind(fast)
+
+    @functools.wraps(chosen)
+    def routed(x, _chosen=chosen):
+        return _chosen(x)
+
+    assert kernels.bound_implementation(routed) is fast
+    assert kernels.kernel_name("fla", fast).startswith("FLA ")
+    assert kernels.bound_implementation(bind(reference)) is reference
+    assert kernels._reference(routed) is reference
+    forced = kernels._calls_reference(reference)
+    assert kernels.bound_implementation(forced) is reference and forced(3) == 3
