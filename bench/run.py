@@ -288,11 +288,13 @@ class Outputs:
             "seconds": round(time.perf_counter() - self.started, 1),
         }
 
-    def write(self, ctx: Context, progress: Callable[[str], None] | None = None) -> None:
+    def write(
+        self, ctx: Context, progress: Callable[[str], None] | None = None, plot: bool = True
+    ) -> None:
         result = self.result(ctx)
         if self.args.json:
             report.write_json(result, self.args.json)
-        if self.args.plot:
+        if self.args.plot and plot:
             report.plot(result, self.rows, ctx.artifacts.get("trace"), self.args.plot)
         if progress is not None and (self.args.json or self.args.plot):
             written = " and ".join(p for p in (self.args.json, self.args.plot) if p)
@@ -336,7 +338,9 @@ def main(argv: Sequence[str] | None = None, options: dict[str, Any] | None = Non
     stopped: BaseException | None = None
     current: str | None = None  # the section running
     try:
-        outputs.write(ctx)  # a run stopped in its first section still leaves a valid file
+        # A run stopped in its first section still leaves a valid JSON (the figure would
+        # show nothing yet: it comes with the first section).
+        outputs.write(ctx, plot=False)
         for position, name in enumerate(args.sections, 1):
             ctx.progress = progress.for_section(name, f"{position}/{len(args.sections)}")
             ctx.progress("starting")

@@ -870,3 +870,22 @@ def test_the_bound_kernel_is_read_through_wrappers():
     assert kernels._reference(routed) is reference
     forced = kernels._calls_reference(reference)
     assert kernels.bound_implementation(forced) is reference and forced(3) == 3
+
+
+def test_real_target_sizes_follow_the_run_mode():
+    pytest.importorskip("transformers")
+    from bench import real_target
+
+    def options(quick=False, full=False, **given):
+        ctx = Context(quick, 1, print)
+        ctx.full = full
+        return real_target.Options(**given).for_run(ctx)
+
+    default = options()
+    assert default.sizes == ("small",) and default.lanes == (1, 4)
+    assert default.compile_timeout == 0  # torch.compile is --full only
+    full = options(full=True)
+    assert full.sizes == ("small", "medium", "large") and full.compile_timeout == 180
+    assert options(quick=True).compile_timeout == 0
+    assert options(sizes=("medium",), compile_timeout=5.0).sizes == ("medium",)
+    assert options(compile_timeout=5.0).compile_timeout == 5.0  # given: kept
