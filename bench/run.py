@@ -137,7 +137,7 @@ class Progress:
             unit="section",
             file=self._stream,
             disable=None,
-            bar_format="{desc} {n_fmt}/{total_fmt} sections |{bar}| {postfix}",
+            bar_format="{desc} {n_fmt}/{total_fmt} sections |{bar}|{postfix}",
         )
 
     def for_section(self, name: str, position: str) -> Callable[[str], None]:
