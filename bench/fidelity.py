@@ -131,7 +131,8 @@ def plain_capture(forward: Callable, batch: dict, record: Callable[[bool], Any] 
         if record is not None:
             record(True)
         try:
-            with torch.cuda.graph(graph):
+            # As TargetGraphs captures: other threads' CUDA calls are not refused meanwhile.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 out = forward(batch)
         finally:
             if record is not None:

@@ -12,16 +12,18 @@ and libraries:
   nearly tie goes to another expert when its hidden state moves by a rounding, and
   carries a visibly different output: that amplifies the same roundings. Bounds 5 % and
   3 % (about 2.6x and 3x what was seen).
-- eager run twice: bit-identical on that host (no atomics in these forwards).
+- eager run twice: the dense forward was bit-identical on that host. The MoE's expert
+  outputs are summed by index_add, which is free to add in any order on a GPU: no more
+  than its padding bound there.
 """
 
 import pytest
 
 pytestmark = pytest.mark.gpu
 
-BOUNDS = {  # config -> (graph vs eager, padding alone)
-    "dense": (0.01, 0.001),
-    "moe": (0.05, 0.03),
+BOUNDS = {  # config -> (graph vs eager, padding alone, eager vs eager)
+    "dense": (0.01, 0.001, 0.0),
+    "moe": (0.05, 0.03, 0.03),
 }
 
 
@@ -51,9 +53,9 @@ def test_graph_and_padding_errors_are_bounded(results, config):
 
     result = results[config]
     errors = result["errors"]
-    graph_bound, floor_bound = BOUNDS[config]
+    graph_bound, floor_bound, repeat_bound = BOUNDS[config]
     report = fidelity.format_result(result)
-    assert errors["eager_repeat"] == 0.0, report
+    assert errors["eager_repeat"] <= repeat_bound, report
     assert errors["padding"] <= floor_bound, report
     assert errors["graph"] <= graph_bound, report
     # The replay ran as a graph, not eagerly: the error is the graph's.
