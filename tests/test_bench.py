@@ -889,3 +889,29 @@ def test_real_target_sizes_follow_the_run_mode():
     assert options(quick=True).compile_timeout == 0
     assert options(sizes=("medium",), compile_timeout=5.0).sizes == ("medium",)
     assert options(compile_timeout=5.0).compile_timeout == 5.0  # given: kept
+
+
+def test_two_runs_compare_row_by_row(tmp_path):
+    from bench import compare
+
+    a = synthetic_result(
+        [compare_row(0.5, {"short conv": "causal-conv1d 1.7.0"}), not_run("s", "x", "no")]
+    )
+    b = synthetic_result([compare_row(0.25, {"short conv": "torch fallback"})])
+    for name, result in (("a", a), ("b", b)):
+        report.write_json(result, tmp_path / f"{name}.json")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert compare.main([str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    text = out.getvalue()
+    assert (
+        "0.5     0.25" in text
+        and "graph lanes" in text
+        and "x" not in text.split("row")[1].split("\n")[1:2][0][:1]
+    )
+    assert "kernels A: {'short conv': 'causal-conv1d 1.7.0'}" in text
+    assert "kernels B: {'short conv': 'torch fallback'}" in text
+
+
+def compare_row(ratio: float, kernels: dict) -> Row:
+    return compare("s", "graph lanes", ratio, "ms", "eager", 1.0, kernels=kernels)
