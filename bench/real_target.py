@@ -819,6 +819,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument("--batch", type=int, default=Options.batch, help="sequences per microbatch")
     for size, (_, full, short) in SIZES.items():
+        if size == "large":  # microbatches of LARGE_LENGTHS
+            continue
         p.add_argument(
             f"--seq-{size}",
             type=int,
@@ -860,7 +862,7 @@ def options_of(args: argparse.Namespace) -> Options:
         sizes=args.sizes,
         lanes=args.lanes,
         batch=args.batch,
-        seq={size: getattr(args, f"seq_{size}") for size in SIZES},
+        seq={size: getattr(args, f"seq_{size}", None) for size in SIZES},
         reps=args.reps,
         pipeline_steps=args.pipeline_steps,
         accumulate=args.accumulate,
