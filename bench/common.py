@@ -112,6 +112,12 @@ def meets(row: Row) -> bool | None:
     }[op]
 
 
+# How long a run may take: "quick" is the CI smoke run (few iterations, small sizes),
+# "default" the run the README names (about 3 minutes on one H200, each section at a size
+# that answers its question), "full" every size and repetition.
+MODES = ("quick", "default", "full")
+
+
 @dataclass
 class Context:
     quick: bool  # CI: few iterations, small sizes
@@ -121,9 +127,22 @@ class Context:
     # Sections' own settings by section name, from a section's command line
     # (python -m bench.<name>); a section without an entry takes its defaults.
     options: dict[str, Any] = field(default_factory=dict)
+    full: bool = False  # --full: every size and repetition (ignored with quick)
 
-    def reps(self, full: int, quick: int) -> int:
-        return quick if self.quick else full
+    @property
+    def mode(self) -> str:
+        return "quick" if self.quick else "full" if self.full else "default"
+
+    def reps(self, full: int, quick: int, default: int | None = None) -> int:
+        """The count for this run's mode; `default` (the README's run) is `full` unless
+        given."""
+        if self.quick:
+            return quick
+        return full if self.full or default is None else default
+
+    def pick(self, full: Any, quick: Any, default: Any) -> Any:
+        """Any setting by mode, as `reps` picks counts."""
+        return {"quick": quick, "default": default, "full": full}[self.mode]
 
 
 def samples(fn: Callable[[], Any], reps: int, warmup: int = 3) -> list[float]:

@@ -140,7 +140,7 @@ def _hit_path_stub(ctx: Context) -> Row:
         launch(*tensors, 1024, 8)  # positional, as FLA calls its kernels
 
     def measure() -> Row:
-        bare, guarded = _interleaved(call, call, ctx.reps(15, 5), ctx.reps(20000, 3000))
+        bare, guarded = _interleaved(call, call, ctx.reps(15, 5, 9), ctx.reps(20000, 3000, 5000))
         return _hit_row(
             "autotune hit, launch stub",
             bare,
@@ -178,7 +178,7 @@ def _hit_path_gpu(ctx: Context) -> Row:
         launch(x, y, out, n)
 
     def measure() -> Row:
-        bare, guarded = _interleaved(call, call, ctx.reps(15, 5), ctx.reps(5000, 500))
+        bare, guarded = _interleaved(call, call, ctx.reps(15, 5, 9), ctx.reps(5000, 500, 2000))
         torch.cuda.synchronize()
         return _hit_row(
             "autotune hit, GPU launch", bare, guarded, "host time per launch of a tuned kernel"
@@ -190,9 +190,9 @@ def _hit_path_gpu(ctx: Context) -> Row:
 def _queue_uncontended(ctx: Context) -> Row:
     from pydflash import compile_queue
 
-    inner = ctx.reps(20000, 2000)
+    inner = ctx.reps(20000, 2000, 5000)
     samples = []
-    for _ in range(ctx.reps(15, 5)):
+    for _ in range(ctx.reps(15, 5, 9)):
         start = time.perf_counter()
         for _ in range(inner):
             compile_queue.run("bench:uncontended", _nothing)
@@ -221,7 +221,7 @@ def _cold_start(ctx: Context) -> list[Row]:
         mode: _child(["cold", "--mode", mode, *common], interpret=not ctx.gpus)
         for mode in ("sequential", "lanes")
     }
-    if ctx.gpus and not ctx.quick:
+    if ctx.gpus and ctx.full:
         runs["lanes, no precompile"] = _child(
             ["cold", "--mode", "lanes", *common],
             interpret=False,

@@ -4,8 +4,16 @@ An empty callable, per task: submit then result (one round trip at a time), and 
 submitted then waited (pipelined): by a result() loop, by concurrent.futures.wait and by
 concurrent.futures.as_completed, the stdlib's own functions. pydflash's Dispatcher with
 one lane against ThreadPoolExecutor(1), on a CPU lane and, when there is a GPU, on a GPU
-lane (which also records a CUDA event per task). Tracing on is measured against tracing
-off.
+lane. Tracing on is measured against tracing off.
+
+On a GPU lane an empty task's result (None) holds no GPU memory, so its CUDA event is
+recorded only when asked for (Note [Deferred result events]); what the lane adds over a
+CPU lane is the check that torch's current stream is still the lane's and the deferred
+event's bookkeeping. The breakdown rows measure that on the same host, in the same
+samples: the GPU lane against a CPU lane and ThreadPoolExecutor(1), and a task whose
+result can hold a tensor (so a CUDA event is recorded per task). The GPU lane's ratio
+is the CPU lane's plus (its extra per task) / ThreadPoolExecutor's per task: a target
+below the CPU lane's ratio plus that extra cannot be met by the GPU lane.
 """
 
 from __future__ import annotations
@@ -29,6 +37,11 @@ def noop() -> None:
     pass
 
 
+def empty_tuple() -> tuple:
+    # A result that could hold a tensor: a GPU lane records its CUDA event at once.
+    return ()
+
+
 def round_trips(executor: concurrent.futures.Executor) -> Callable[[], None]:
     def run() -> None:
         for _ in range(ROUND_TRIPS_PER_SAMPLE):
@@ -37,9 +50,11 @@ def round_trips(executor: concurrent.futures.Executor) -> Callable[[], None]:
     return run
 
 
-def pipelined(executor: concurrent.futures.Executor) -> Callable[[], None]:
+def pipelined(
+    executor: concurrent.futures.Executor, fn: Callable[[], Any] = noop
+) -> Callable[[], None]:
     def run() -> None:
-        futures = [executor.submit(noop) for _ in range(PIPELINED)]
+        futures = [executor.submit(fn) for _ in range(PIPELINED)]
         [f.result() for f in futures]
 
     return run
@@ -63,7 +78,7 @@ def stdlib_as_completed(executor: concurrent.futures.Executor) -> Callable[[], N
 def measure(ctx: Context, kind: str, device: Any) -> list[Row]:
     import pydflash
 
-    reps = ctx.reps(1000, 100)
+    reps = ctx.reps(1000, 100, default=500)
     us = 1e6
     lane = pydflash.Dispatcher([device])
     traced = pydflash.Dispatcher([device], trace=True)
@@ -102,7 +117,7 @@ def measure(ctx: Context, kind: str, device: Any) -> list[Row]:
     per_trip = {k: v / ROUND_TRIPS_PER_SAMPLE * us for k, v in single.items()}
     per_task = {k: v / PIPELINED * us for k, v in batch.items()}
     per_waited = {k: v / PIPELINED * us for k, v in stdlib.items()}
-    note = "records a CUDA event per task" if kind == "gpu" else ""
+    note = "the empty task's CUDA event is deferred (its result is None)" if kind == "gpu" else ""
     return [
         compare(
             SECTION,
@@ -169,10 +184,75 @@ def round_trips_direct() -> None:
         noop()
 
 
+def breakdown(ctx: Context) -> list[Row]:
+    """The pipelined GPU-lane row taken apart, on the same host and in the same samples:
+    a CPU lane (the floor a GPU lane cannot beat), the GPU lane, the GPU lane with a CUDA
+    event recorded per task, and ThreadPoolExecutor(1)."""
+    import pydflash
+
+    reps = ctx.reps(1000, 100, default=500)
+    us = 1e6 / PIPELINED
+    cpu = pydflash.Dispatcher(["cpu"])
+    gpu = pydflash.Dispatcher([0])
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        ctx.progress(f"breakdown of the GPU lane's {PIPELINED} pipelined tasks, {reps} samples")
+        t = interleaved_medians(
+            {
+                "cpu": pipelined(cpu),
+                "gpu": pipelined(gpu),
+                "gpu event": pipelined(gpu, empty_tuple),
+                "pool": pipelined(pool),
+            },
+            reps,
+        )
+    finally:
+        cpu.shutdown()
+        gpu.shutdown()
+        pool.shutdown()
+    per = {k: v * us for k, v in t.items()}
+    extra = per["gpu"] - per["cpu"]
+    floor = per["cpu"] / per["pool"]
+    name = f"gpu lane: {PIPELINED} submitted, then waited"
+    return [
+        compare(
+            SECTION,
+            f"{name}: what the GPU lane adds over a CPU lane",
+            extra,
+            "us",
+            "cpu lane, same samples",
+            per["cpu"],
+            note=f"same samples: gpu lane {per['gpu']:.3f} µs, cpu lane {per['cpu']:.3f} µs, "
+            f"{BASELINE} {per['pool']:.3f} µs per task: the GPU lane's ratio "
+            f"{per['gpu'] / per['pool']:.3f} = the CPU lane's {floor:.3f} + "
+            f"{extra / per['pool']:.3f} for the stream check and deferred event",
+            gpu_us=per["gpu"],
+            pool_us=per["pool"],
+            cpu_lane_ratio=floor,
+            gpu_lane_ratio=per["gpu"] / per["pool"],
+            samples=reps,
+        ),
+        compare(
+            SECTION,
+            f"{name}: a CUDA event recorded per task",
+            per["gpu event"],
+            "us",
+            "gpu lane, event deferred (result None)",
+            per["gpu"],
+            note="the task returns () instead of None, so the lane records its CUDA event "
+            f"at once: {per['gpu event'] - per['gpu']:.3f} µs per task; ratio to "
+            f"{BASELINE} {per['gpu event'] / per['pool']:.3f}",
+            pool_us=per["pool"],
+            samples=reps,
+        ),
+    ]
+
+
 def run(ctx: Context) -> list[Row]:
     rows = measure(ctx, "cpu", "cpu")
     if ctx.gpus:
         rows += measure(ctx, "gpu", 0)
+        rows += breakdown(ctx)
     else:
         reason = "needs a GPU"
         rows += [
@@ -191,6 +271,17 @@ def run(ctx: Context) -> list[Row]:
                 f"gpu lane: {PIPELINED} submitted, concurrent.futures.as_completed",
                 reason,
                 TARGET_STDLIB_WAIT,
+            ),
+            not_run(
+                SECTION,
+                f"gpu lane: {PIPELINED} submitted, then waited: what the GPU lane adds over a "
+                "CPU lane",
+                reason,
+            ),
+            not_run(
+                SECTION,
+                f"gpu lane: {PIPELINED} submitted, then waited: a CUDA event recorded per task",
+                reason,
             ),
         ]
     return rows

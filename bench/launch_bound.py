@@ -47,11 +47,19 @@ def make_model(width: int, depth: int, device: Any) -> Any:
 def run(ctx: Context) -> list[Row]:
     gpu = ctx.gpus > 0
     if gpu:
-        counts = [2, 4] if ctx.quick else [2, 4, 8]
-        config = {"width": 256, "forwards": ctx.reps(24, 8), "reps": ctx.reps(25, 5)}
+        counts = ctx.pick([2, 4, 8], [2, 4], [2, 8])
+        config = {
+            "width": 256,
+            "forwards": ctx.reps(24, 8, default=8),
+            "reps": ctx.reps(25, 5, default=10),
+        }
     else:
         counts = [2]
-        config = {"width": 32, "forwards": ctx.reps(16, 4), "reps": ctx.reps(20, 6)}
+        config = {
+            "width": 32,
+            "forwards": ctx.reps(16, 4, default=8),
+            "reps": ctx.reps(20, 6, default=10),
+        }
     import torch
 
     rows: list[Row] = []

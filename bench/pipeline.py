@@ -68,9 +68,9 @@ class Setup:
         return cls(
             job,
             placement,
-            steps=steps or ctx.reps(8, 3),
-            reps=ctx.reps(3, 1),
-            warmup=ctx.reps(2, 1),
+            steps=steps or ctx.reps(8, 3, default=4),
+            reps=ctx.reps(3, 1, default=1),
+            warmup=ctx.reps(2, 1, default=1),
             on_gpu=on_gpu,
         )
 
@@ -92,11 +92,18 @@ def make_setup(ctx: Context) -> Setup:
     else:
         placement = Placement(("cpu",), ("cpu",))
     if ctx.gpus:
-        target = TargetConfig(layers=8, capture_layers=(1, 4, 7)) if ctx.quick else TargetConfig()
-        batch = 4 if ctx.quick else 8
+        # The default run takes the smaller target too: the ratios, not the sizes, answer it.
+        small = not ctx.full
+        target = TargetConfig(layers=8, capture_layers=(1, 4, 7)) if small else TargetConfig()
+        batch = 4 if small else 8
         job = Job(target, DrafterConfig(), seq=1024, batch=batch, accumulate=4, lr=3e-4)
         return Setup(
-            job, placement, steps=ctx.reps(8, 4), reps=ctx.reps(3, 2), warmup=3, on_gpu=True
+            job,
+            placement,
+            steps=ctx.reps(8, 4, default=4),
+            reps=ctx.reps(3, 2, default=2),
+            warmup=ctx.reps(3, 3, default=2),
+            on_gpu=True,
         )
     job = Job(TINY_TARGET, TINY_DRAFTER, seq=32, batch=2, accumulate=2, lr=3e-3)
     return Setup(job, placement, steps=ctx.reps(10, 3), reps=ctx.reps(3, 1), warmup=1, on_gpu=False)

@@ -1,6 +1,9 @@
 """Section 6: a real target. Hugging Face transformers' Qwen3-Next, built from a config
-with random weights (examples/dflash/hf.py), at two sizes: small, launch-bound (8 layers,
-hidden 1024, T=1024), and medium, compute-bound (16 layers, hidden 2048, T=4096).
+with random weights (examples/dflash/hf.py), at three sizes: small, launch-bound (8 layers,
+hidden 1024, T=1024); medium, compute-bound (16 layers, hidden 2048, T=4096); and large,
+the scale users train at (a 23 B Qwen3-Next-style hybrid: hidden 5120, 64 layers, full
+attention with head_dim 256, built on the GPU; microbatches of 512-2048 tokens).
+The default run measures small; --full all three and torch.compile.
 
 - Target step: N microbatches of one forward each, on N = 1, 2, 4 lanes of one GPU:
   ThreadPoolExecutor threads with a stream each, eager pydflash lanes, and graph lanes
@@ -8,16 +11,27 @@ hidden 1024, T=1024), and medium, compute-bound (16 layers, hidden 2048, T=4096)
   loop sampled in the same rounds.
 - Pipeline step (the DFlash example's drafter on its own lane) with an eager target and
   with a TargetGraphs target, against the sequential and ThreadPoolExecutor loops.
+- Fidelity (small, dense and MoE): the graph output's relative error against eager on
+  the same unpadded input, beside the noise floor of padding alone (bench/fidelity.py;
+  `python -m bench.fidelity` is the diagnostic that says where the difference comes from).
+- Large: the eager loop against graph lanes over microbatches of mixed lengths, and
+  what TargetGraphs' policy chose (buckets, padding waste, buckets left eager).
 - torch.compile(mode="reduce-overhead") of the same forward, in a subprocess with a
-  wall-clock limit: its step time if it compiles in time, and whether calling it from
-  several threads works.
+  wall-clock limit (--full only): its step time if it compiles in time, and whether
+  calling it from several threads works.
+
+Each row's note names the kernels the eager forward ran (bench/kernels.py): FLA or
+PyTorch's reference for the gated delta rule, causal-conv1d or PyTorch's for the short
+convolution, and the SDPA backend; PYDFLASH_BENCH_FALLBACK=causal_conv1d measures without
+causal-conv1d.
 
 Rows report samples/s and tokens/s, which drafter-training users compare. Without a GPU
 the section runs the tiny config, eager rows only.
 
-    python -m bench.real_target [--quick] [--sizes small,medium] [--lanes 1,2,4]
-        [--batch 1] [--seq-small 1024] [--seq-medium 4096] [--reps 20]
-        [--compile-timeout 180] [--compile-sizes small] [--compile-only] [--json FILE]
+    python -m bench.real_target [--quick | --full] [--sizes small,medium,large]
+        [--lanes 1,2,4] [--batch 1] [--seq-small 1024] [--seq-medium 4096] [--reps 20]
+        [--no-fidelity] [--compile-timeout 180] [--compile-sizes small] [--compile-only]
+        [--json FILE]
 """
 
 from __future__ import annotations
@@ -40,10 +54,11 @@ from typing import Any
 
 import torch
 
+from bench import fidelity, kernels
 from bench.common import Context, Row, compare, counts_arg, interleaved_medians, not_run
 from bench.pipeline import Setup, step_time
 from examples.dflash.data import MarkovTokens
-from examples.dflash.hf import HFTargetConfig
+from examples.dflash.hf import HFTarget, HFTargetConfig, default_layers
 from examples.dflash.loops import (
     Job,
     PipelineLoop,
@@ -60,7 +75,29 @@ from pydflash.pipeline import EagerTarget
 SECTION = "real_target"
 ROOT = Path(__file__).resolve().parents[1]
 # size -> (config name in examples/dflash/hf.py, tokens per sequence, quick tokens)
-SIZES = {"small": ("qwen3-next-small", 1024, 1024), "medium": ("qwen3-next-medium", 4096, 2048)}
+SIZES = {
+    "small": ("qwen3-next-small", 1024, 1024),
+    "medium": ("qwen3-next-medium", 4096, 2048),
+    "large": ("qwen3-next-large", 2048, 2048),  # the longest microbatch; see LARGE
+}
+# The scale users train at: a Qwen3-Next-style hybrid of about 23 B parameters (the
+# 80 B model's attention and linear-attention heads, a dense MLP), built on the GPU.
+LARGE = dict(
+    vocab_size=151936,
+    hidden_size=5120,
+    num_hidden_layers=64,
+    intermediate_size=17408,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    head_dim=256,
+    linear_num_value_heads=32,
+    linear_num_key_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    num_experts=0,
+)
+LARGE_LENGTHS = (512, 2048)  # microbatch lengths drawn between these
+LARGE_MICROBATCHES = 8
 CPU_SIZE = ("qwen3-next-tiny", 32)
 GRAPH_STEP_GOAL = "<= 0.2"  # small, 4 lanes: graph lanes vs eager sequential
 PIPELINE_GOAL = "<= 0.5"  # small: pipeline with graph target vs executor loop, eager target
@@ -71,18 +108,19 @@ NEEDS_GPU = "needs a GPU: CUDA graphs replay on a GPU stream"
 class Options:
     """What to measure; None picks the default for the run (quick or full)."""
 
-    sizes: tuple[str, ...] = ("small", "medium")
-    lanes: tuple[int, ...] = (1, 2, 4)
+    sizes: tuple[str, ...] | None = None  # default: small; --full all; --quick small, medium
+    lanes: tuple[int, ...] | None = None  # default: 1, 4; --full and --quick 1, 2, 4
     batch: int = 1
     seq: dict[str, int | None] = dataclasses.field(default_factory=dict)
-    reps: int | None = None  # target-step samples per alternative
+    reps: int | None = None  # target-step samples per alternative (20 full, 8, 5 quick)
     pipeline_steps: int | None = None  # timed optimizer steps per repetition
     accumulate: int = 4
     ratio: str = "1:1"  # pipeline target:drafter lanes, all on cuda:0
     moe: bool = False
-    # torch.compile's first call may take minutes: by default only the small size, with a
+    fidelity: bool = True  # graph vs eager error rows, dense and MoE (GPU)
+    # torch.compile's first call may take minutes: --full only, the small size, with a
     # limit that keeps the section within 8 minutes on one H200.
-    compile_timeout: float | None = None  # seconds (default 180, 60 quick); 0 skips it
+    compile_timeout: float | None = None  # seconds (180 with --full, else skipped); 0 skips
     compile_sizes: tuple[str, ...] = ("small",)
     compile_only: bool = False  # only the torch.compile rows: the whole time limit for them
 
@@ -90,15 +128,31 @@ class Options:
         _, full, short = SIZES[size]
         return self.seq.get(size) or (short if quick else full)
 
+    def for_run(self, ctx: Context) -> Options:
+        """These options with what was left to the run's mode filled in."""
+        return dataclasses.replace(
+            self,
+            sizes=self.sizes
+            or ctx.pick(("small", "medium", "large"), ("small", "medium"), ("small",)),
+            lanes=self.lanes or ctx.pick((1, 2, 4), (1, 2, 4), (1, 4)),
+            reps=self.reps or ctx.reps(20, 5, default=8),
+            compile_timeout=(
+                self.compile_timeout if self.compile_timeout is not None else ctx.reps(180, 0, 0)
+            ),
+        )
+
 
 def run(ctx: Context) -> list[Row]:
     """Without transformers, HFTargetConfig.load raises ModuleNotFoundError: bench.run
     reports the section as not run, naming the missing package."""
-    options = ctx.options.get(SECTION) or Options()
+    options = (ctx.options.get(SECTION) or Options()).for_run(ctx)
+    kernels.apply_fallbacks()
     if ctx.gpus:
         rows = []
         for size in options.sizes:
             rows += measure_size(ctx, options, size)
+            if size == "small" and options.fidelity and not options.compile_only:
+                rows += fidelity_rows(ctx)
         return rows
     # CPU lanes share the host's cores: one intra-op thread each (as bench/pipeline.py).
     threads = torch.get_num_threads()
@@ -119,6 +173,7 @@ class Bench:
     job: Job
     placement: Placement
     on_gpu: bool
+    kernels: dict[str, str] = dataclasses.field(default_factory=dict)  # what eager runs
 
     @property
     def device(self) -> str:
@@ -136,6 +191,9 @@ class Bench:
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
 
+    def kernels_note(self) -> str:
+        return kernels.note(self.kernels) if self.kernels else ""
+
 
 def make_bench(ctx: Context, options: Options, size: str) -> Bench:
     if ctx.gpus:
@@ -150,6 +208,9 @@ def make_bench(ctx: Context, options: Options, size: str) -> Bench:
 
 
 def measure_size(ctx: Context, options: Options, size: str) -> list[Row]:
+    options = options.for_run(ctx)
+    if size == "large":
+        return measure_large(ctx, options)
     bench = make_bench(ctx, options, size)
     rows = []
     if not options.compile_only:
@@ -159,13 +220,12 @@ def measure_size(ctx: Context, options: Options, size: str) -> list[Row]:
         rows += pipeline_steps(ctx, options, bench, models)
         del models
         torch.cuda.empty_cache()  # the compile child needs the memory more than this process
-    limit = (
-        options.compile_timeout
-        if options.compile_timeout is not None
-        else (60.0 if ctx.quick else 180.0)
-    )
+    limit = options.compile_timeout or 0
     if size in options.compile_sizes and limit > 0:
         rows += compiled_rows(ctx, options, bench, size, limit)
+    elif size in options.compile_sizes:
+        why = "skipped (--compile-timeout 0)" if ctx.full else "--full runs only (minutes)"
+        rows.append(not_run(SECTION, f"{bench.name}: torch.compile reduce-overhead", why))
     return rows
 
 
@@ -176,6 +236,158 @@ def measure_cpu(ctx: Context, options: Options) -> list[Row]:
     rows = target_steps(ctx, dataclasses.replace(options, lanes=lanes), bench, models.targets[0])
     rows += pipeline_steps(ctx, options, bench, models)
     rows.append(not_run(SECTION, f"{bench.name}: torch.compile reduce-overhead", NEEDS_GPU))
+    if options.fidelity:
+        rows += [
+            not_run(SECTION, f"{label}: graph output vs eager, relative error", NEEDS_GPU)
+            for label in fidelity_labels()
+        ]
+    return rows
+
+
+# --- large ---------------------------------------------------------------------------------
+def build_large(device: str) -> HFTarget:
+    """LARGE with random weights, made on the GPU in bf16 (a CPU build of 23 B parameters
+    would take minutes and 47 GB of host memory)."""
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    config = Qwen3NextConfig(**LARGE)
+    torch.manual_seed(0)
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    finally:
+        torch.set_default_dtype(dtype)
+    layers = default_layers(config.num_hidden_layers)
+    return HFTarget(model, layers).eval().requires_grad_(False)
+
+
+def measure_large(ctx: Context, options: Options) -> list[Row]:
+    """Microbatches of mixed lengths through the eager loop and through graph lanes on 1
+    and 2 lanes of one GPU; and what TargetGraphs chose for them."""
+    low, high = LARGE_LENGTHS
+    name = f"large (23B hybrid, {LARGE_MICROBATCHES} microbatches of {low}-{high} tokens)"
+    device = "cuda:0"
+    ctx.progress(f"{name}: building on the GPU")
+    model = build_large(device)
+    forward = target_forward(model)
+    generator = torch.Generator().manual_seed(7)
+    lengths = [
+        int(t) for t in torch.randint(low, high + 1, (LARGE_MICROBATCHES,), generator=generator)
+    ]
+    batches = [
+        {"input_ids": torch.randint(LARGE["vocab_size"], (1, t), generator=generator).to(device)}
+        for t in lengths
+    ]
+    ctx.progress(f"{name}: warm-up (compiles and autotunes the target's kernels)")
+    with torch.no_grad():
+        forward(batches[0])
+    torch.cuda.synchronize(device)
+    found = kernels.describe(model, forward, batches[0])
+    lanes_of = (1, 2)
+    dispatcher = Dispatcher([device] * max(lanes_of))
+    lanes = dispatcher.lanes
+    graphs = TargetGraphs(forward)
+
+    def eager_loop() -> None:
+        with torch.no_grad():
+            for batch in batches:
+                forward(batch)
+        torch.cuda.synchronize(device)
+
+    def graph_step(n: int) -> None:
+        futures = [graphs.submit(lanes[k % n], b) for k, b in enumerate(batches)]
+        results = [future.result() for future in futures]
+        torch.cuda.synchronize(device)
+        for result in results:
+            graphs.release(result)
+
+    try:
+        buckets = sorted({fidelity.bucket_of(t) for t in lengths})
+        for lane in lanes:  # one lane at a time: a capture beside another lane's work can fail
+            ctx.progress(f"{name}: capturing buckets {buckets} on {lane.label}")
+            graphs.warmup([lane], batches[0], [(1, b) for b in buckets])
+        reps = ctx.reps(4, 1, default=2)
+        ctx.progress(f"{name}: eager loop and graph lanes, {reps} samples each")
+        fns = {"eager": eager_loop}
+        for n in lanes_of:
+            fns[f"graphs{n}"] = lambda n=n: graph_step(n)
+        times = interleaved_medians(fns, reps, warmup=1)
+        stats = graphs.stats()
+    finally:
+        dispatcher.shutdown()
+    tokens = sum(lengths)
+    eager_s = times["eager"]
+    note = f"eager {kernels.note(found)}"
+    rows = [
+        compare(
+            SECTION,
+            f"{name}: eager loop",
+            eager_s * 1e3,
+            "ms",
+            note=f"{tokens / eager_s:,.0f} tokens/s; lengths {lengths}; {note}",
+            kernels=found,
+            lengths=lengths,
+        )
+    ]
+    for n in lanes_of:
+        t = times[f"graphs{n}"]
+        rows.append(
+            compare(
+                SECTION,
+                f"{name}, {n_lanes(n)}: graph lanes",
+                t * 1e3,
+                "ms",
+                "eager loop",
+                eager_s * 1e3,
+                note=f"{tokens / t:,.0f} tokens/s; {note}",
+                graphs=stats,
+            )
+        )
+    rows.append(policy_row(name, stats))
+    return rows
+
+
+def policy_row(name: str, stats: dict[str, Any]) -> Row:
+    """What TargetGraphs chose: its padding waste (the fraction of replayed tokens that
+    were padding), the buckets it left eager and why, the buckets and pool per lane."""
+    note = "; ".join(
+        f"{label}: buckets {[b[1] for b in lane['buckets']]}, "
+        f"pool {lane['pool_bytes'] / 2**30:.2f} GiB"
+        for label, lane in stats["lanes"].items()
+    )
+    if "eager_buckets" in stats:
+        note += f"; buckets run eagerly: {stats['eager_buckets'] or 'none'}"
+    if stats["fallbacks"]:
+        note += f"; fallbacks: {'; '.join(stats['fallbacks'])}"
+    row_name = f"{name}: TargetGraphs' choice, padding waste"
+    waste = stats.get("padding_waste")
+    if waste is None:
+        return not_run(SECTION, row_name, f"TargetGraphs.stats() has no padding_waste; {note}")
+    return compare(SECTION, row_name, float(waste), "fraction", note=note, graphs=stats)
+
+
+# --- fidelity --------------------------------------------------------------------------------
+def fidelity_labels() -> list[str]:
+    size = SIZES["small"][0]
+    return [
+        f"{size}{', MoE' if moe else ''}, 1x{fidelity.SEQ} padded to "
+        f"{fidelity.bucket_of(fidelity.SEQ)}"
+        for moe in (False, True)
+    ]
+
+
+def fidelity_rows(ctx: Context) -> list[Row]:
+    """Graph vs eager on the same unpadded input, beside padding's noise floor, for the
+    small target dense and MoE (bench/fidelity.py)."""
+    rows = []
+    for moe in (False, True):
+        ctx.progress(f"fidelity, {'MoE' if moe else 'dense'}: graph vs eager, padding's floor")
+        target = fidelity.build(SIZES["small"][0], moe)
+        rows.append(fidelity.row(SECTION, fidelity.measure(target)))
+        del target
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -188,7 +400,9 @@ def target_steps(ctx: Context, options: Options, bench: Bench, model: torch.nn.M
     with torch.no_grad():
         forward(batches[0])
     bench.synchronize()
-    reps = options.reps or (5 if ctx.quick else 20)
+    bench.kernels = kernels.describe(model, forward, batches[0])
+    ctx.progress(f"{bench.name}: {bench.kernels_note()}")
+    reps = options.reps
     dispatcher = Dispatcher([bench.device] * most)
     lanes = dispatcher.lanes
     eager = EagerTarget(forward)
@@ -282,11 +496,14 @@ def target_rows(bench: Bench, n: int, times: dict[str, float], graphs: Any) -> l
         note = f"{bench.rate(t, n)}; sequential: {bench.rate(seq, n)}"
         if key != "executor":
             note += f"; x{t / ex:.3f} vs ThreadPoolExecutor ({ex * 1e3:.3f} ms)"
+        if bench.kernels:
+            note += f"; eager {bench.kernels_note()}"
         extra = {
             "executor_ms": ex * 1e3,
             "ratio_vs_executor": t / ex,
             "samples_per_s": n * bench.job.batch / t,
             "tokens_per_s": n * bench.job.batch * bench.job.seq / t,
+            "kernels": bench.kernels,
         }
         if key == "graphs":
             stats = graphs.stats()
@@ -338,6 +555,8 @@ def pipeline_steps(ctx: Context, options: Options, bench: Bench, models: Any) ->
         f"{len(placement.targets)} target lane(s), 1 drafter lane on {bench.device}; "
         f"{job.accumulate} microbatches per step"
     )
+    if bench.kernels:
+        where += f"; eager {bench.kernels_note()}"
     seq, ex = times["sequential"], times["executor"]
     rows = [
         compare(
@@ -384,6 +603,7 @@ def pipeline_steps(ctx: Context, options: Options, bench: Bench, models: Any) ->
 def compiled_rows(
     ctx: Context, options: Options, bench: Bench, size: str, limit: float
 ) -> list[Row]:
+    options = options.for_run(ctx)
     threads = max(options.lanes)
     name = f"{bench.name}: torch.compile reduce-overhead"
     threaded = f"{name}, from {threads} threads"
@@ -398,7 +618,7 @@ def compiled_rows(
         "--lanes",
         str(threads),
         "--reps",
-        str(options.reps or (5 if ctx.quick else 20)),
+        str(options.reps),
     ]
     if options.moe:
         args.append("--moe")
@@ -490,6 +710,7 @@ def compile_main(size: str, options: Options) -> None:
     def say(**fields: Any) -> None:
         print(json.dumps(fields), flush=True)
 
+    kernels.apply_fallbacks()
     torch.manual_seed(0)
     config = HFTargetConfig.load(SIZES[size][0], moe=options.moe)
     model = config.build(torch.bfloat16).to("cuda:0")
@@ -586,28 +807,40 @@ _counts = counts_arg("lane", "1,2,4")
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="Other arguments go to bench.run (--quick, --json, --plot).",
+        epilog="Other arguments go to bench.run (--quick, --full, --fallback, --json, --plot).",
     )
-    p.add_argument("--sizes", type=_names, default=Options.sizes)
-    p.add_argument("--lanes", type=_counts, default=Options.lanes, help="lane counts, e.g. 1,2,4")
+    p.add_argument(
+        "--sizes",
+        type=_names,
+        help="small, medium, large (default small; --full all three, --quick small,medium)",
+    )
+    p.add_argument(
+        "--lanes", type=_counts, help="lane counts, e.g. 1,2,4 (default 1,4; --full 1,2,4)"
+    )
     p.add_argument("--batch", type=int, default=Options.batch, help="sequences per microbatch")
     for size, (_, full, short) in SIZES.items():
+        if size == "large":  # microbatches of LARGE_LENGTHS
+            continue
         p.add_argument(
             f"--seq-{size}",
             type=int,
             help=f"tokens per sequence (default {full}, {short} with --quick)",
         )
     p.add_argument(
-        "--reps", type=int, help="target-step samples per alternative (default 20, 5 quick)"
+        "--reps",
+        type=int,
+        help="target-step samples per alternative (default 8, 20 with --full, 5 quick)",
     )
     p.add_argument("--pipeline-steps", type=int, help="timed pipeline steps (default 8, 3 quick)")
     p.add_argument("--accumulate", type=int, default=Options.accumulate)
     p.add_argument("--ratio", default=Options.ratio, help="pipeline target:drafter lanes")
     p.add_argument("--moe", action="store_true", help="MoE blocks instead of a dense MLP")
+    p.add_argument("--no-fidelity", action="store_true", help="skip the graph-vs-eager error rows")
     p.add_argument(
         "--compile-timeout",
         type=float,
-        help="seconds for the torch.compile subprocess (default 180, 60 quick; 0 skips)",
+        help="seconds for the torch.compile subprocess (default: 180 with --full, else "
+        "skipped; 0 skips)",
     )
     p.add_argument(
         "--compile-sizes",
@@ -629,12 +862,13 @@ def options_of(args: argparse.Namespace) -> Options:
         sizes=args.sizes,
         lanes=args.lanes,
         batch=args.batch,
-        seq={size: getattr(args, f"seq_{size}") for size in SIZES},
+        seq={size: getattr(args, f"seq_{size}", None) for size in SIZES},
         reps=args.reps,
         pipeline_steps=args.pipeline_steps,
         accumulate=args.accumulate,
         ratio=args.ratio,
         moe=args.moe,
+        fidelity=not args.no_fidelity,
         compile_timeout=args.compile_timeout,
         compile_sizes=args.compile_sizes,
         compile_only=args.compile_only,

@@ -7,10 +7,11 @@ and `targets` (how many were met, missed, or not measured on this machine).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from pydflash.trace import GPU_TID
@@ -41,6 +42,10 @@ def number(value: float | None) -> str:
     return f"{value:.2e}"
 
 
+def _mode_text(mode: str) -> str:
+    return {"quick": " (--quick)", "full": " (--full)"}.get(mode, "")
+
+
 def _met(row: Row) -> str:
     if row.target is None:
         return ""
@@ -51,7 +56,7 @@ def format_table(result: dict[str, Any], rows: list[Row]) -> str:
     header = result["header"]
     lines = [
         f"pydflash {header.get('pydflash')} benchmarks, {header.get('date')}"
-        f"{' (--quick)' if result.get('quick') else ''}",
+        f"{_mode_text(result.get('mode') or ('quick' if result.get('quick') else 'default'))}",
         f"host: {header.get('cpu')} ({header.get('cpu_count')} cores), {header.get('platform')}",
         f"python {header.get('python')}, torch {header.get('torch')}, "
         f"triton {header.get('triton')}, CUDA runtime {header.get('cuda_runtime')}, "
@@ -93,6 +98,11 @@ def format_table(result: dict[str, Any], rows: list[Row]) -> str:
     for line in table:
         cells = (str(cell).ljust(w) for cell, w in zip(line, widths, strict=True))
         lines.append("  ".join(cells).rstrip())
+    if result.get("missing"):
+        lines.append(
+            f"stopped part-way: not measured: {', '.join(result['missing'])}"
+            f" (finished: {', '.join(result.get('finished') or []) or 'none'})"
+        )
     targets = result["targets"]
     lines.append(
         f"targets: {len(targets['met'])} met, {len(targets['missed'])} missed, "
@@ -120,9 +130,25 @@ def _finite(obj: Any) -> Any:
 
 
 def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    with open(path, "w") as f:
+    """Replaces `path` at once: a run stopped while writing leaves the previous file."""
+    with _replacing(path) as part, open(part, "w") as f:
         json.dump(_finite(result), f, indent=1, default=str, allow_nan=False)
         f.write("\n")
+
+
+@contextlib.contextmanager
+def _replacing(path: str | os.PathLike[str]) -> Iterator[str]:
+    """A name beside `path` to write to; moved over `path` when the block ends."""
+    path = os.fspath(path)
+    folder, name = os.path.split(path)
+    stem, ext = os.path.splitext(name)
+    part = os.path.join(folder, f".{stem}.part{ext}")  # same suffix: matplotlib reads it
+    try:
+        yield part
+        os.replace(part, path)
+    finally:
+        if os.path.exists(part):
+            os.unlink(part)
 
 
 # --- figure ----------------------------------------------------------------------------
@@ -189,7 +215,12 @@ def plot(
     gpus = ", ".join(header.get("device_names") or []) or "no GPU (CPU-only figures)"
     fig.suptitle(
         f"pydflash {header.get('pydflash')}, {header.get('date')}: {gpus}; "
-        f"torch {header.get('torch')}",
+        f"torch {header.get('torch')}"
+        + (
+            f"\nstopped part-way: not measured: {', '.join(result['missing'])}"
+            if result.get("missing")
+            else ""
+        ),
         fontsize=9,
     )
     for ax, (section, metric, bars) in zip(axes, panels, strict=False):
@@ -201,7 +232,8 @@ def plot(
         axes[0].axis("off")
     # Leave the top half inch to the title; "tight" keeps long row labels in the image.
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    with _replacing(path) as part:
+        fig.savefig(part, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from bench import kernels
 from bench.common import Context, Row, compare, counts_arg, interleaved_medians, not_run
 from bench.pipeline import Setup, drafter_stage, step_time, synchronize, time_stages
 from bench.real_target import CPU_SIZE, NEEDS_GPU
@@ -96,7 +97,7 @@ class Options:
     moe: bool = False
     batch: int = 1
     seq: int = 1024
-    reps: int | None = None  # target-step samples per way and count (20, 5 quick)
+    reps: int | None = None  # target-step samples per way and count (20 full, 10, 5 quick)
     processes: bool = True
     process_timeout: float | None = None  # seconds for all worker processes (300, 180 quick)
     pipelines: tuple[str, ...] = ("1:1", "3:1")  # target:drafter GPUs, one drafter
@@ -116,6 +117,7 @@ class Setting:
     seq: int
     on_gpu: bool
     available: int  # devices for the lanes: GPUs, or CPU_LANES on the CPU
+    kernels: dict[str, str] = dataclasses.field(default_factory=dict)  # what eager runs
 
     def devices(self, n: int) -> list[str]:
         return [f"cuda:{i}" for i in range(n)] if self.on_gpu else ["cpu"] * n
@@ -162,6 +164,7 @@ def make_setting(options: Options, gpus: int) -> Setting:
         name, batch, seq = options.config, options.batch, options.seq
     else:
         (name, seq), batch = CPU_SIZE, 2
+    kernels.apply_fallbacks()  # PYDFLASH_BENCH_FALLBACK; the workers apply it too
     config = HFTargetConfig.load(name, moe=options.moe)
     label = f"{name}{', MoE' if options.moe else ''} {batch}x{seq}"
     drafter = DrafterConfig() if gpus else TINY_DRAFTER
@@ -208,7 +211,10 @@ def in_process(
             with on_device(device):
                 forward(batch)
     setting.synchronize(most)
-    reps = options.reps or (5 if ctx.quick else 20)
+    with on_device(setting.devices(1)[0]):
+        setting.kernels = kernels.describe(replicas[0], forwards[0], batches[0])
+    ctx.progress(f"{setting.name}: eager {kernels.note(setting.kernels)}")
+    reps = options.reps or ctx.reps(20, 5, default=10)
     streams = [torch.cuda.Stream(d) if setting.on_gpu else None for d in setting.devices(most)]
     dispatcher = Dispatcher(setting.devices(most))
     lanes = dispatcher.lanes
@@ -293,7 +299,7 @@ def process_times(
         "--seq",
         str(setting.seq),
         "--reps",
-        str(options.reps or (5 if ctx.quick else 20)),
+        str(options.reps or ctx.reps(20, 5, default=10)),
     ]
     if options.moe:
         args.append("--moe")
@@ -447,6 +453,9 @@ def way_row(
     }
     if key == "processes":
         note += "; the slowest rank's median step"
+    if setting.kernels:
+        note += f"; eager {kernels.note(setting.kernels)}"
+        extra["kernels"] = setting.kernels
     return compare(SECTION, name, value, "samples/s", base_name, baseline, goal, note, **extra)
 
 
@@ -530,6 +539,8 @@ def pipeline_figures(
     fallbacks = [reason for s in stats for reason in s["fallbacks"]]
     if fallbacks:
         note += f"; ran eagerly: {'; '.join(fallbacks)}"
+    if setting.kernels:
+        note += f"; {kernels.note(setting.kernels)}"
     return compare(
         SECTION,
         name,
@@ -639,7 +650,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--moe", action="store_true", help="MoE blocks instead of a dense MLP")
     p.add_argument("--batch", type=int, default=Options.batch, help="sequences per microbatch")
     p.add_argument("--seq", type=int, default=Options.seq, help="tokens per sequence")
-    p.add_argument("--reps", type=int, help="target-step samples per way (default 20, 5 quick)")
+    p.add_argument(
+        "--reps", type=int, help="target-step samples per way (default 10, 20 --full, 5 quick)"
+    )
     p.add_argument(
         "--process-timeout",
         type=float,

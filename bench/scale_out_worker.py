@@ -32,6 +32,7 @@ if not __package__:
 import torch
 import torch.distributed as dist
 
+from bench import kernels
 from bench.common import counts_arg
 from examples.dflash.data import MarkovTokens
 from examples.dflash.hf import QWEN3_NEXT, HFTargetConfig
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build(args: argparse.Namespace, rank: int, device: str) -> tuple[Any, dict]:
+    kernels.apply_fallbacks()  # PYDFLASH_BENCH_FALLBACK, inherited from the parent
     config = HFTargetConfig.load(args.config, moe=args.moe)
     torch.manual_seed(MODEL_SEED)
     model = config.build(target_dtype(device)).to(device)

@@ -8,9 +8,12 @@ import importlib.machinery
 import io
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -166,7 +169,7 @@ def fake_section(monkeypatch, name: str, run_fn) -> None:
 @pytest.fixture
 def sections(monkeypatch):
     def use(*names):
-        monkeypatch.setattr(run, "SECTIONS", names)
+        monkeypatch.setattr(run, "SECTIONS", dict.fromkeys(names, 1))
 
     return use
 
@@ -354,8 +357,15 @@ def test_real_target_section_measures_the_eager_rows(real_target_run):
             assert "samples/s" in row.note and "tokens/s" in row.note
     row = rows[f"{size}: pipeline step, eager target"]
     assert row.measured and row.baseline_name == "ThreadPoolExecutor loop, eager target"
+    for row in rows.values():  # every eager row names the kernels it ran
+        if row.measured and "target step" in row.name:
+            assert "kernels: gated delta rule " in row.note and ", short conv " in row.note
+            assert set(row.extra["kernels"]) == {"gated delta rule", "short conv", "attention"}
+    fidelity = [r for name, r in rows.items() if "graph output vs eager, relative error" in name]
+    assert len(fidelity) == 2  # dense and MoE
     if gpu:
         return
+    assert all(not r.measured and "needs a GPU" in r.note for r in fidelity)
     for name in (
         f"{size}, 2 lanes: target step, graph lanes",
         f"{size}: pipeline step, graph target",
@@ -544,3 +554,361 @@ def test_compile_only_runs_just_the_compile_child_for_its_sizes(monkeypatch):
     assert rows[0].note == "no step time: after 'start', exit 1: boom"
     ((command, limit),) = commands
     assert limit == 5.0 and command[1:5] == ["-m", "bench.real_target", "--compile-child", "small"]
+
+
+# --- modes, progress, a run stopped part-way ------------------------------------------------
+
+
+def test_modes_pick_counts_and_settings():
+    quick, default, full = (
+        Context(True, 0, print),
+        Context(False, 0, print),
+        Context(False, 0, print),
+    )
+    full.full = True
+    assert [c.mode for c in (quick, default, full)] == ["quick", "default", "full"]
+    assert [c.reps(20, 5, default=10) for c in (quick, default, full)] == [5, 10, 20]
+    assert default.reps(20, 5) == 20  # no default given: the full count
+    assert [c.pick("f", "q", "d") for c in (quick, default, full)] == ["q", "d", "f"]
+
+
+def test_quick_and_full_are_exclusive(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(["--quick", "--full"])
+    assert exit_info.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
+def test_progress_counts_down_from_the_estimates():
+    stream = io.StringIO()
+    progress = run.Progress({"a": 10, "b": 20}, "default", stream=stream)
+    say = progress.for_section("a", "1/2")
+    assert 29 < progress.left() <= 30
+    say("working")
+    progress.section_done()  # "a" took almost no time: "b" is expected to be quicker too
+    assert 0 < progress.left() < 20
+    progress.close()
+    assert "a (1/2): working (about 30 s left)" in stream.getvalue()
+
+
+def test_json_says_what_a_run_finished(tmp_path, sections, monkeypatch):
+    fake_section(monkeypatch, "one", lambda ctx: [compare("one", "figure", 2.0, "us", "b", 4.0)])
+    sections("one")
+    code, out, err = call_main(["--sections", "one", "--json", str(tmp_path / "r.json")])
+    result = strict_json(tmp_path / "r.json")
+    assert code == 0 and result["complete"] is True and result["mode"] == "default"
+    assert result["finished"] == ["one"] and result["missing"] == []
+    assert "wrote" in err and "stopped part-way" not in out
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_run_stopped_part_way_keeps_what_it_measured(how, tmp_path, python_subprocess_env):
+    """The JSON and the figure are rewritten as each section ends; a run stopped in its
+    second section leaves both valid, naming the finished and the missing sections."""
+    paths = {"json": tmp_path / "r.json", "plot": tmp_path / "r.png"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "scripts" / "stopped_bench_run.py"),
+            "--json",
+            str(paths["json"]),
+            "--plot",
+            str(paths["plot"]),
+        ],
+        cwd=ROOT,
+        env=python_subprocess_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("blocking until stopped" in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.05)
+        assert strict_json(paths["json"])["finished"] == ["first"]  # written before "blocks"
+        proc.send_signal(how)
+        out = proc.stdout.read()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=10)
+        proc.stdout.close()
+        proc.stderr.close()
+    err = "".join(lines)
+    assert proc.returncode == 128 + how, err
+    result = strict_json(paths["json"])
+    assert result["complete"] is False
+    assert result["finished"] == ["first"] and result["missing"] == ["blocks", "third"]
+    assert result["sections"]["first"]["status"] == "ok"
+    assert result["sections"]["blocks"]["status"] == "interrupted"
+    assert signal.Signals(how).name in result["sections"]["blocks"]["reason"]
+    assert "third" not in result["sections"]
+    assert [row["name"] for row in result["rows"]] == ["figure"]
+    assert result["targets"]["met"] == ["figure"]
+    assert paths["plot"].read_bytes()[:8] == PNG_MAGIC
+    assert not list(tmp_path.glob(".*part*"))  # no half-written file left beside them
+    assert "stopped part-way: not measured: blocks, third" in out
+    assert "blocking until stopped" in err
+
+
+# --- kernels named in the real target's rows ------------------------------------------------
+
+
+def test_fallbacks_are_parsed_and_refused_by_name():
+    from bench import kernels
+
+    assert kernels.parse_fallbacks(" causal_conv1d , fla") == ("causal_conv1d", "fla")
+    assert kernels.parse_fallbacks("") == () and kernels.parse_fallbacks(None) == ()
+    with pytest.raises(ValueError, match="expected fallbacks from fla, causal_conv1d"):
+        kernels.parse_fallbacks("flash_attn")
+
+
+def test_fallback_option_reaches_the_environment(sections, monkeypatch):
+    from bench import kernels
+
+    monkeypatch.setenv(kernels.FALLBACK_ENV, "")  # restored after the test
+    seen = []
+    fake_section(
+        monkeypatch, "env", lambda ctx: seen.append(os.environ[kernels.FALLBACK_ENV]) or []
+    )
+    sections("env")
+    code, _, _ = call_main(["--sections", "env", "--fallback", "causal_conv1d"])
+    assert code == 0 and seen == ["causal_conv1d"]
+    with pytest.raises(SystemExit):
+        run.main(["--fallback", "bogus"])
+
+
+def test_kernels_are_named_and_fallbacks_forced(monkeypatch):
+    pytest.importorskip("transformers")
+    import torch
+
+    from bench import kernels
+    from examples.dflash.hf import HFTargetConfig
+    from examples.dflash.loops import target_forward
+
+    module = kernels._modeling()
+    for _, _, names in kernels.PACKAGES.values():
+        for name in names:  # restored after the test: forcing rebinds module globals
+            monkeypatch.setattr(module, name, getattr(module, name))
+    model = HFTargetConfig.load("qwen3-next-tiny").build(torch.float32)
+    forward = target_forward(model)
+    batch = {"input_ids": torch.randint(0, 64, (1, 8))}
+    expected = forward(batch)["features"]
+    found = kernels.describe(model, forward, batch)
+    assert set(found) == {"gated delta rule", "short conv", "attention"}
+    assert found["attention"].startswith("SDPA")
+    for what in ("gated delta rule", "short conv"):
+        assert found[what].startswith(("FLA", "causal-conv1d", "torch fallback")), found
+    monkeypatch.setenv(kernels.FALLBACK_ENV, "causal_conv1d,fla")
+    assert kernels.apply_fallbacks() == ("causal_conv1d", "fla")
+    assert kernels.apply_fallbacks() == ("causal_conv1d", "fla")  # idempotent
+    forced = kernels.describe(model)
+    assert forced == {
+        "gated delta rule": "torch fallback (forced by PYDFLASH_BENCH_FALLBACK)",
+        "short conv": "torch fallback (forced by PYDFLASH_BENCH_FALLBACK)",
+    }
+    torch.testing.assert_close(forward(batch)["features"], expected)  # same math, torch's
+    assert kernels.note(forced).startswith("kernels: gated delta rule torch fallback")
+
+
+# --- fidelity (the GPU figures are in tests/test_bench_fidelity.py) --------------------------
+
+
+def test_relative_error_and_cutting_padding():
+    import torch
+
+    from bench import fidelity
+
+    a = torch.ones(1, 4, 2)
+    assert fidelity.rel_err(a, a) == 0.0
+    assert fidelity.rel_err(a * 1.01, a) == pytest.approx(0.01, rel=1e-4)
+    assert fidelity.rel_err(a, torch.ones(1, 5, 2)) == float("inf")
+    long = torch.arange(12.0).reshape(1, 6, 2)
+    assert fidelity.cut(long, a).shape == a.shape and fidelity.cut(a, long) is None
+    assert fidelity.cut(torch.ones(2, 6, 3), a) is None  # two dimensions differ
+    assert fidelity.bucket_of(700) == 1024 and fidelity.bucket_of(5) == 128
+    assert fidelity.bucket_of(1024) == 1024
+
+
+def test_call_comparison_names_the_kernel_that_changes_bits():
+    import torch
+
+    from bench.fidelity import Call, compare_calls, explain_calls
+
+    x = torch.ones(1, 4, 2)
+    eager = [Call("l0", "Linear", x, x), Call("gdr", "chunk", x, x), Call("l1", "Linear", x, x)]
+    changed = x * 1.001
+    graph = [
+        Call("l0", "Linear", x, x),
+        Call("gdr", "chunk", x, changed),
+        Call("l1", "Linear", changed, changed),
+    ]
+    result = compare_calls(eager, graph)
+    assert result["first"] == {
+        "index": 1,
+        "name": "gdr",
+        "kind": "chunk",
+        "input_equal": True,
+        "output_error": pytest.approx(0.001, rel=1e-3),
+        "between_probes": False,
+    }
+    assert (
+        result["by_kind"]["chunk"]["changed"] == 1 and result["by_kind"]["Linear"]["changed"] == 0
+    )
+    lines = explain_calls(result)
+    assert "gdr (chunk): input equal, output differs" in lines[0]
+    assert "chunk 1 of 1" in lines[1] and "Linear 2" in lines[2]
+    assert compare_calls(eager, graph[:2])["aligned"] is False
+    padded = [Call(c.name, c.kind, torch.ones(1, 8, 2), torch.ones(1, 8, 2)) for c in eager]
+    assert compare_calls(eager, padded)["first"] is None  # cut back to 4 positions: equal
+
+
+def synthetic_fidelity(**errors):
+    base = dict.fromkeys(
+        ("eager_repeat", "padding", "graph", "graph_vs_padded", "lane", "plain_capture"), 0.0
+    )
+    base["eager_after_capture"] = 0.0
+    base.update(errors)
+    return {
+        "label": "qwen3-next-small, 1x700 padded to 1024",
+        "kernels": {"gated delta rule": "FLA 0.6.0", "short conv": "torch fallback"},
+        "flags": {"tf32_matmul": False},
+        "errors": base,
+        "graph_stats": {},
+        "autotune": {"keys": 3, "changed": [], "new": []},
+    }
+
+
+def test_fidelity_report_reads_itself():
+    from bench import fidelity
+
+    floor = synthetic_fidelity(padding=0.01, graph=0.01, graph_vs_padded=0.001)
+    assert "within the padding floor" in fidelity.reading(floor)
+    capture = synthetic_fidelity(graph=0.002, graph_vs_padded=0.002, plain_capture=0.002)
+    text = fidelity.format_result(capture)
+    assert "TargetGraphs on a lane  vs  eager" in text and "0.200 %" in text
+    assert "the capture itself changes kernels" in text
+    row = fidelity.row("real_target", capture)
+    assert row.value == 0.002 and row.baseline == 0.0 and row.ratio is None
+    assert row.baseline_name == "noise floor: eager padded vs eager"
+    assert "kernels: gated delta rule FLA 0.6.0" in row.note
+    ours = synthetic_fidelity(graph=0.004, graph_vs_padded=0.004, plain_capture=0.0, lane=0.004)
+    assert "running on a lane changes the bits" in fidelity.reading(ours)
+    assert "more than a plain capture" in fidelity.reading(ours)
+
+
+def test_probes_record_leaf_modules_and_kernels_then_leave():
+    pytest.importorskip("transformers")
+    import torch
+
+    from bench import fidelity, kernels
+    from examples.dflash.hf import HFTargetConfig
+
+    model = HFTargetConfig.load("qwen3-next-tiny").build(torch.float32)
+    module = kernels._modeling()
+    before = {name: getattr(module, name) for name in fidelity.Probes.FUNCTIONS}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def hooks():
+        return sum(len(m._forward_hooks) for m in model.modules())
+
+    ids = torch.randint(0, 64, (1, 8))
+    with torch.no_grad():
+        model(ids)  # transformers adds hooks of its own on the first forward
+    hooks_before = hooks()
+    probes = fidelity.Probes(model)
+    with probes.recording() as calls, torch.no_grad():
+        model(ids)
+    with probes.recording() as longer, torch.no_grad():
+        model(torch.cat([ids, torch.zeros(1, 4, dtype=ids.dtype)], dim=1))
+    probes.remove()
+    kinds = {c.kind for c in calls}
+    assert {"Linear", "torch_chunk_gated_delta_rule", "causal_conv1d_fn", "sdpa"} <= kinds
+    assert {name: getattr(module, name) for name in before} == before
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa
+    padding = fidelity.compare_calls(list(calls), list(longer))
+    assert padding["aligned"] and padding["calls"] == len(calls)
+    assert hooks() == hooks_before
+
+
+def test_the_bound_kernel_is_read_through_wrappers():
+    """As transformers binds it: a wrapper closing over `implementation`, under our own
+    wrappers (examples/dflash/hf.py routes CPU tensors, the bench forces fallbacks)."""
+    import functools
+
+    from bench import kernels
+
+    def fast(x):
+        return x
+
+    fast.__module__ = "fla.ops.gated_delta_rule.chunk"
+
+    def reference(x):
+        return x
+
+    def bind(implementation):
+        @functools.wraps(reference)
+        def wrapped(*args, **kwargs):
+            return implementation(*args, **kwargs)
+
+        return wrapped
+
+    chosen = bind(fast)
+
+    @functools.wraps(chosen)
+    def routed(x, _chosen=chosen):
+        return _chosen(x)
+
+    assert kernels.bound_implementation(routed) is fast
+    assert kernels.kernel_name("fla", fast).startswith("FLA ")
+    assert kernels.bound_implementation(bind(reference)) is reference
+    assert kernels._reference(routed) is reference
+    forced = kernels._calls_reference(reference)
+    assert kernels.bound_implementation(forced) is reference and forced(3) == 3
+
+
+def test_real_target_sizes_follow_the_run_mode():
+    pytest.importorskip("transformers")
+    from bench import real_target
+
+    def options(quick=False, full=False, **given):
+        ctx = Context(quick, 1, print)
+        ctx.full = full
+        return real_target.Options(**given).for_run(ctx)
+
+    default = options()
+    assert default.sizes == ("small",) and default.lanes == (1, 4)
+    assert default.compile_timeout == 0  # torch.compile is --full only
+    full = options(full=True)
+    assert full.sizes == ("small", "medium", "large") and full.compile_timeout == 180
+    assert options(quick=True).compile_timeout == 0
+    assert options(sizes=("medium",), compile_timeout=5.0).sizes == ("medium",)
+    assert options(compile_timeout=5.0).compile_timeout == 5.0  # given: kept
+
+
+def test_two_runs_compare_row_by_row(tmp_path):
+    from bench import compare as side_by_side
+
+    a = synthetic_result(
+        [compare_row(0.5, {"short conv": "causal-conv1d 1.7.0"}), not_run("s", "x", "no")]
+    )
+    b = synthetic_result([compare_row(0.25, {"short conv": "torch fallback"})])
+    for name, result in (("a", a), ("b", b)):
+        report.write_json(result, tmp_path / f"{name}.json")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert side_by_side.main([str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    text = out.getvalue()
+    assert "0.5     0.25" in text and "graph lanes" in text
+    assert not any(line.endswith(" x") for line in text.splitlines())  # unmeasured: left out
+    assert "kernels A: {'short conv': 'causal-conv1d 1.7.0'}" in text
+    assert "kernels B: {'short conv': 'torch fallback'}" in text
+
+
+def compare_row(ratio: float, kernels: dict) -> Row:
+    return compare("s", "graph lanes", ratio, "ms", "eager", 1.0, kernels=kernels)
