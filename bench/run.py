@@ -43,6 +43,7 @@ SECTIONS = (
     "pipeline",
     "real_target",
     "scale_out",
+    "dflash_scale",
 )
 
 

@@ -23,6 +23,7 @@ CUDA graph with the rest of the drafter's step.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -48,7 +49,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = hidden.new_zeros((), dtype=acc)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=acc) if need_weight else None
-        with torch.autocast(hidden.device.type, enabled=False):
+        kind = hidden.device.type
+        with torch.autocast(kind, enabled=False) if kind in ("cpu", "cuda") else nullcontext():
             for lo in range(0, rows, chunk):
                 hi = min(lo + chunk, rows)
                 h, y, w = hidden[lo:hi], safe[lo:hi, None], row_weights[lo:hi, None]
