@@ -99,10 +99,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x * self.weight.float()).to(dtype)
+        # torch's rms_norm: one fused kernel each way where torch has one (CUDA), in x's
+        # dtype with fp32 accumulation. Autocast would run it in fp32 (two more passes
+        # over x and an fp32 copy kept for the backward): here it runs in x's dtype.
+        if x.is_cuda and torch.is_autocast_enabled("cuda"):
+            with torch.autocast("cuda", enabled=False):
+                return F.rms_norm(x, x.shape[-1:], self.weight.to(x.dtype), self.eps)
+        return F.rms_norm(x, x.shape[-1:], self.weight.to(x.dtype), self.eps)
 
 
 class SwiGLU(nn.Module):
