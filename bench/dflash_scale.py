@@ -54,7 +54,7 @@ from examples.dflash.loops import (
     sequential_steps,
     target_forward,
 )
-from examples.dflash.models import DFLASH_B16, DrafterConfig, drafter_parameters
+from examples.dflash.models import DFLASH_B16, DRAFTERS, drafter_parameters
 
 SECTION = "dflash_scale"
 SEQ, BATCH = 768, 2
@@ -304,9 +304,10 @@ def torchrun_command(scale: Scale, n: int, out: Path, steps: int) -> list[str]:
     its own GPU), at the scale's shapes."""
     job = scale.job
     layers = ",".join(str(i) for i in job.target.capture_layers)
-    drafter = next(
-        name for name, cfg in _drafters().items() if cfg == job.drafter
-    )  # a named configuration
+    named = [name for name, cfg in DRAFTERS.items() if cfg == job.drafter]
+    if not named:
+        raise ValueError(f"expected a drafter named in DRAFTERS, got {job.drafter}")
+    drafter = named[0]
     script = Path(__file__).resolve().parents[1] / "examples" / "train_dflash_online.py"
     return [
         sys.executable,
@@ -326,12 +327,6 @@ def torchrun_command(scale: Scale, n: int, out: Path, steps: int) -> list[str]:
         f"--out={out}",
         "--no-plot",
     ]
-
-
-def _drafters() -> dict[str, DrafterConfig]:
-    from examples.dflash.models import DRAFTERS
-
-    return DRAFTERS
 
 
 def torchrun_time(scale: Scale, n: int, steps: int, timeout: float = 300) -> float:

@@ -211,3 +211,15 @@ def test_section_measures_at_small_shapes_on_cpu_lanes():
     assert rows["pipeline step vs executor loop"].baseline > 0
     rate, step = dflash_scale.data_parallel_rate(scale, ["cpu", "cpu"])
     assert rate > 0 and step > 0
+
+
+def test_section_torchrun_path_trains_ddp_drafters_on_cpu():
+    pytest.importorskip("transformers")
+    from examples.dflash.hf import HFTargetConfig, dflash_layers
+    from examples.dflash.models import DRAFTERS
+
+    job = Job(
+        HFTargetConfig.load("qwen3-tiny", dflash_layers(6, 1)), DRAFTERS["tiny"], 16, 2, 2, 1e-3
+    )
+    scale = dflash_scale.Scale(job, Placement(("cpu",), ("cpu",)), steps=1, reps=1, warmup=1)
+    assert dflash_scale.torchrun_time(scale, 2, steps=2) > 0
