@@ -403,6 +403,10 @@ def measure(ctx: Context, scale: Scale) -> list[Row]:
         "tflop_per_sample": drafter.flops / per_step / 1e12,
         "achieved_tflop_per_s": tflops,
         "mfu": d_mfu,
+        # Our time per sample against SpecForge's FLOP count per sample (~45 T: their
+        # plain masked attention over every block, the head at the anchor too): the
+        # MFU their counting would give this run (cross-run).
+        "mfu_at_specforge_flops": mfu(SPECFORGE["drafter_tflop_per_sample"] * 1e12, d_ms / 1e3),
         "peak_bytes": drafter.peak,
         "kernels": kernels,
         "build_s": build_s,

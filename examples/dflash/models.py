@@ -9,7 +9,11 @@ Drafter (after DFlash, block diffusion drafting): for each anchor position p it
 predicts the `block - 1` tokens after x_p in one parallel pass. A block's input is
 [embed(x_p), mask, ..., mask]; each drafter layer attends from the block to the
 target's context features at positions <= p and, bidirectionally, to its own block.
-Embedding and LM head are frozen copies of the target's.
+Embedding and LM head are frozen copies of the target's. The anchors are every
+block-th position, or a fixed number per sequence drawn by the data (`anchors`); the
+loss runs over the full vocabulary in chunks (`fused_loss`). `DFLASH_B16` is the
+published DFlash recipe for Qwen3-8B. (DFlash's context stops just before p; here it
+includes p. The shapes and FLOPs are the same.)
 """
 
 from __future__ import annotations
