@@ -287,9 +287,13 @@ def train(
             step_iter = dflash.loops.executor_steps(models, placement, job, batches, steps, depth)
     synchronize(placement)
     if verbose:
+        params = [p for p in models.drafters[0].parameters()]
+        trainable = sum(p.numel() for p in params if p.requires_grad)
         log(
             f"{mode}: target lanes {list(placement.targets)}, drafter lanes "
-            f"{list(placement.drafters)}, {job.tokens_per_step} tokens per step"
+            f"{list(placement.drafters)}, {job.tokens_per_step} tokens per step; drafter "
+            f"{trainable:,} trainable parameters, "
+            f"{sum(p.numel() for p in params) - trainable:,} frozen"
         )
     collected = []
     # disable=None: a bar only where stderr is a terminal; elsewhere the log lines alone.
