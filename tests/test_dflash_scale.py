@@ -223,3 +223,45 @@ def test_section_torchrun_path_trains_ddp_drafters_on_cpu():
     )
     scale = dflash_scale.Scale(job, Placement(("cpu",), ("cpu",)), steps=1, reps=1, warmup=1)
     assert dflash_scale.torchrun_time(scale, 2, steps=2) > 0
+
+
+# --- on a GPU ---------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fused_loss_on_gpu_in_bf16_is_close_to_the_plain_loss():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(3000, 256, device="cuda", generator=g).bfloat16().requires_grad_()
+    head = (torch.randn(20000, 256, device="cuda", generator=g) / 16).bfloat16()
+    labels = torch.randint(0, 20000, (3000,), device="cuda", generator=g)
+    fused = linear_cross_entropy(hidden, head, labels, chunk=1024)
+    fused.backward()
+    grad, hidden.grad = hidden.grad.float(), None
+    plain = F.cross_entropy(hidden.float() @ head.float().T, labels, reduction="sum")
+    plain.backward()
+    torch.testing.assert_close(fused.float(), plain, rtol=2e-3, atol=0)
+    torch.testing.assert_close(grad, hidden.grad.float(), rtol=5e-2, atol=2e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_drafter_attention_runs_fused_kernels_on_gpu_and_matches_one_group():
+    """The masked block attention must not need SDPA's math fallback (slow, and memory
+    for every score): forward and backward run with the math backend turned off."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cfg = dataclasses.replace(DFLASH_B16, layers=1, heads=8, kv_heads=2, anchors=64)
+    target = HybridTarget(dataclasses.replace(TINY_TARGET, dim=512)).cuda()
+    drafter = BlockDrafter(target, cfg).cuda()
+    drafter.embed.bfloat16()
+    drafter.lm_head.bfloat16()
+    batch = MarkovTokens(TINY_TARGET.vocab, 768, 2, seed=3, anchors=64, block=16).batch(0)
+    ids, anchors = batch["input_ids"].cuda(), batch["anchors"].cuda()
+    features = torch.randn(2, 768, target.feature_dim, device="cuda", dtype=torch.bfloat16)
+    fused = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+    with sdpa_kernel(fused), torch.autocast("cuda", torch.bfloat16):
+        loss = drafter(features, ids, anchors)
+        loss.backward()
+        grouped = drafter.predict(features, ids, anchors).float()
+        drafter.cfg = dataclasses.replace(cfg, group=64)  # one group: the plain layout
+        plain = drafter.predict(features, ids, anchors).float()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in drafter.parameters() if p.requires_grad)
+    torch.testing.assert_close(grouped, plain, rtol=2e-2, atol=2e-2)
