@@ -226,6 +226,7 @@ def test_section_torchrun_path_trains_ddp_drafters_on_cpu():
 
 
 # --- on a GPU ---------------------------------------------------------------------------------
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_fused_loss_on_gpu_in_bf16_is_close_to_the_plain_loss():
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -241,6 +242,7 @@ def test_fused_loss_on_gpu_in_bf16_is_close_to_the_plain_loss():
     torch.testing.assert_close(grad, hidden.grad.float(), rtol=5e-2, atol=2e-3)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_drafter_attention_runs_fused_kernels_on_gpu_and_matches_one_group():
     """The masked block attention must not need SDPA's math fallback (slow, and memory
