@@ -56,6 +56,7 @@ SECTIONS = {
     "pipeline": 30,
     "real_target": 55,
     "scale_out": 30,
+    "dflash_scale": 45,
 }
 UNKNOWN_SECTION_S = 30  # a section without an estimate
 MODE_SCALE = {"quick": 1.0, "default": 1.0, "full": 5.0}  # before any section has ended

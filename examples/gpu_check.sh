@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What CI cannot show, on one GPU with two lanes (about 4 minutes on an H200):
 #   1. the GPU tests: the handoff waits for the target's kernels, pipeline losses on GPU
-#      lanes match a loop, flash-linear-attention's kernel matches the torch recurrence;
+#      lanes match a loop, flash-linear-attention's kernel matches the torch recurrence,
+#      the drafter's fused loss and block attention (no SDPA math fallback) on the GPU;
 #   2. the example with --check: pipeline losses vs the sequential loop, within bf16
 #      tolerance, at the default sizes, and again with a Hugging Face Qwen3-Next target
 #      replayed as CUDA graphs (needs transformers);
@@ -22,7 +23,7 @@ run() {
   echo "== $*"
   "$@" || { echo "!! failed: $*"; failed=1; }
 }
-run python3 -m pytest -q -m gpu tests/test_pipeline.py tests/test_example.py
+run python3 -m pytest -q -m gpu tests/test_pipeline.py tests/test_example.py tests/test_dflash_scale.py
 run python3 -m examples.train_dflash_online --devices cuda:0 --ratio 1:1 --check \
   --steps 30 --log-every 10 --out "$out"
 run python3 -m examples.train_dflash_online --devices cuda:0 --ratio 1:1 --check \

@@ -8,10 +8,14 @@ target forward and the drafter's training overlapped on pydflash lanes.
     python examples/train_dflash_online.py --tiny --check                  # == a sequential loop
     python examples/train_dflash_online.py --target-config qwen3-next-small --target-graphs
     python examples/train_dflash_online.py --target-model ./my-checkpoint --target-layers 2,12,20
+    python examples/train_dflash_online.py --devices cuda:0 --target-config qwen3-8b \
+        --target-layers 1,9,17,25,33 --drafter-config dflash-b16 --seq 768 --batch 2 --accumulate 8
 
 The target is the built-in hybrid model unless --target-model (a local Hugging Face
 causal LM, never downloaded) or --target-config (a Qwen3-Next with random weights, needs
 transformers) picks another; --target-graphs replays its forward as CUDA graphs.
+--drafter-config dflash-b16 is the published DFlash drafter for Qwen3-8B (5 layers,
+block 16, 256 anchors per sequence drawn by the data, loss over the full vocabulary).
 
 Prints the loss and tokens/s every --log-every steps, with a progress bar on a terminal,
 and writes loss_curve.png and summary.json to --out. Needs pydflash installed (`pip install
@@ -76,8 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     source.add_argument(
         "--target-config",
-        choices=list(dflash.hf.QWEN3_NEXT),
-        help="a Qwen3-Next target built from this config, with random weights",
+        choices=list(dflash.hf.CONFIGS),
+        help="a Qwen3-Next or dense Qwen3 target built from this config, with random weights",
     )
     p.add_argument(
         "--moe", action="store_true", help="--target-config with MoE blocks, not a dense MLP"
@@ -93,8 +97,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="replay the target forward as CUDA graphs (pydflash.TargetGraphs)",
     )
+    p.add_argument(
+        "--drafter-config",
+        choices=list(dflash.models.DRAFTERS),
+        help="the drafter's shapes (default: tiny with --tiny, else default); dflash-b16 is "
+        "the published DFlash recipe for Qwen3-8B: 5 layers, block 16, 256 anchors",
+    )
     p.add_argument("--drafter-layers", type=int)
     p.add_argument("--block", type=int, help="drafter block size (anchor + predictions)")
+    p.add_argument(
+        "--anchors",
+        type=int,
+        help="anchors per sequence, sampled by the data (default: every block-th position)",
+    )
     p.add_argument("--lr", type=float)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
@@ -105,7 +120,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
-    for name in ("steps", "accumulate", "depth", "batch", "seq", "log_every"):
+    for name in ("steps", "accumulate", "depth", "batch", "seq", "log_every", "anchors"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -171,9 +186,9 @@ def make_target(args: argparse.Namespace) -> dflash.models.TargetConfig | dflash
 
 def make_job(args: argparse.Namespace) -> tuple[dflash.loops.Job, int]:
     target = make_target(args)
-    drafter = dflash.models.TINY_DRAFTER if args.tiny else dflash.models.DrafterConfig()
+    name = args.drafter_config or ("tiny" if args.tiny else "default")
     drafter = dataclasses.replace(
-        drafter,
+        dflash.models.DRAFTERS[name],
         **{
             k: v
             for k, v in {
@@ -181,6 +196,7 @@ def make_job(args: argparse.Namespace) -> tuple[dflash.loops.Job, int]:
                 "block": args.block,
                 "heads": args.heads,
                 "head_dim": args.head_dim,
+                "anchors": args.anchors,
             }.items()
             if v is not None
         },
@@ -253,9 +269,7 @@ def train(
 ) -> Outcome:
     """Trains with `mode`'s loop; rank 0 (`verbose`) logs and shows a progress bar."""
     models = dflash.loops.build_models(job, placement, ddp=ddp)
-    warm = dflash.data.MarkovTokens(job.target.vocab, job.seq, job.batch, seed=job.seed + 1).batch(
-        0
-    )
+    warm = job.data(seed=job.seed + 1).batch(0)
     loop = None
     if mode == "pipeline":
         loop = dflash.loops.PipelineLoop(
@@ -273,9 +287,13 @@ def train(
             step_iter = dflash.loops.executor_steps(models, placement, job, batches, steps, depth)
     synchronize(placement)
     if verbose:
+        params = [p for p in models.drafters[0].parameters()]
+        trainable = sum(p.numel() for p in params if p.requires_grad)
         log(
             f"{mode}: target lanes {list(placement.targets)}, drafter lanes "
-            f"{list(placement.drafters)}, {job.tokens_per_step} tokens per step"
+            f"{list(placement.drafters)}, {job.tokens_per_step} tokens per step; drafter "
+            f"{trainable:,} trainable parameters, "
+            f"{sum(p.numel() for p in params) - trainable:,} frozen"
         )
     collected = []
     # disable=None: a bar only where stderr is a terminal; elsewhere the log lines alone.
@@ -377,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_device(placement.drafters[0])
         dist.init_process_group("nccl" if on_gpu else "gloo")
     job, steps = make_job(args)
-    data = dflash.data.MarkovTokens(job.target.vocab, job.seq, job.batch, seed=args.seed)
+    data = job.data(seed=args.seed)
     pin = any(d.startswith("cuda") for d in placement.lanes)
     # Rank r trains on microbatches r, r + world, ...: one stream of data split by rank.
     batches = data.batches(rank, steps * job.accumulate, stride=world, pin=pin)

@@ -1,5 +1,6 @@
 """A Hugging Face causal LM as the frozen target: a local checkpoint (`from_pretrained`,
-never a download) or a Qwen3-Next built from a config with random weights.
+never a download) or a Qwen3-Next or dense Qwen3 (Qwen3-8B's shapes) built from a config
+with random weights.
 
 Its features are the outputs of chosen decoder layers, concatenated, as EAGLE-3 and
 DFlash drafters take them. Layer i's output is `hidden_states[i + 1]` of the model's
@@ -68,6 +69,46 @@ QWEN3_NEXT = {
 # Qwen3-Next routes each token to 10 of 512 experts; at 16 experts, 2 keeps it sparse.
 MOE = dict(num_experts=16, num_experts_per_tok=2)
 
+# Dense Qwen3 targets (transformers' Qwen3Config): Qwen3-8B's published shapes, 7.57 B
+# parameters with its untied 151,936-token head, and a tiny one of the same kind for CPUs.
+QWEN3 = {
+    "qwen3-8b": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-tiny": dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        tie_word_embeddings=False,
+    ),
+}
+CONFIGS = (*QWEN3_NEXT, *QWEN3)
+
+
+def dflash_layers(n: int, drafter_layers: int) -> tuple[int, ...]:
+    """DFlash's choice of feature layers in an n-layer target: one per drafter layer,
+    evenly spaced from layer 1 to layer n - 3 (Qwen3-8B, 5 layers: 1, 9, 17, 25, 33)."""
+    if drafter_layers == 1:
+        return (n // 2,)
+    span = n - 4
+    return tuple(
+        sorted({round(1 + i * span / (drafter_layers - 1)) for i in range(drafter_layers)})
+    )
+
 
 def default_layers(n: int) -> tuple[int, ...]:
     """EAGLE-3's choice of feature layers (low, middle, high) in an n-layer model."""
@@ -93,7 +134,7 @@ class HFTargetConfig:
     name in QWEN3_NEXT; `capture_layers` the decoder layers whose outputs are the
     features. Make one with `load`, which reads the model's config."""
 
-    source: str
+    source: str  # a checkpoint directory or a name in CONFIGS
     capture_layers: tuple[int, ...]
     config: Any = dataclasses.field(compare=False, repr=False)  # transformers' config
 
@@ -101,11 +142,15 @@ class HFTargetConfig:
     def load(
         cls, source: str | Path, layers: tuple[int, ...] | None = None, moe: bool = False
     ) -> HFTargetConfig:
-        from transformers import AutoConfig, Qwen3NextConfig
+        from transformers import AutoConfig, Qwen3Config, Qwen3NextConfig
 
         source = str(source)
         if source in QWEN3_NEXT:
             config = Qwen3NextConfig(**QWEN3_NEXT[source], **(MOE if moe else dict(num_experts=0)))
+        elif source in QWEN3:
+            if moe:
+                raise ValueError(f"expected --moe only with a Qwen3-Next config, got {source}")
+            config = Qwen3Config(**QWEN3[source])
         elif Path(source).is_dir():
             if moe:
                 raise ValueError(
@@ -114,7 +159,7 @@ class HFTargetConfig:
             config = AutoConfig.from_pretrained(source, local_files_only=True)
         else:
             raise ValueError(
-                f"expected a local checkpoint directory or one of {', '.join(QWEN3_NEXT)}, "
+                f"expected a local checkpoint directory or one of {', '.join(CONFIGS)}, "
                 f"got {source!r}"
             )
         n = config.get_text_config().num_hidden_layers
@@ -132,18 +177,20 @@ class HFTargetConfig:
     def dim(self) -> int:
         return self.config.get_text_config().hidden_size
 
-    def build(self, dtype: torch.dtype = torch.float32) -> HFTarget:
-        """The model in eval mode with frozen weights: loaded from the checkpoint, or with
-        random weights drawn from torch's generator (seed it first)."""
+    def build(self, dtype: torch.dtype = torch.float32, device: str = "cpu") -> HFTarget:
+        """The model on `device` in eval mode with frozen weights: loaded from the
+        checkpoint, or with random weights drawn from torch's generator (seed it first)
+        on `device` itself, in `dtype`, with no pass on the host."""
         from transformers import AutoModelForCausalLM
 
         _cpu_tensors_take_torch_kernels()
-        if self.source in QWEN3_NEXT:
-            model = AutoModelForCausalLM.from_config(self.config, dtype=dtype)
+        if self.source in CONFIGS:
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(self.config, dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 self.source, local_files_only=True, dtype=dtype
-            )
+            ).to(device)
         return HFTarget(model, self.capture_layers).eval().requires_grad_(False)
 
 

@@ -20,6 +20,7 @@ from pydflash import Dispatcher, TargetGraphs
 from pydflash.pipeline import Pipeline
 from pydflash.stages import EagerTarget, TargetStage
 
+from .data import MarkovTokens
 from .models import BlockDrafter, DrafterConfig, TargetConfig
 
 if TYPE_CHECKING:
@@ -71,6 +72,18 @@ class Job:
     def tokens_per_step(self) -> int:
         return self.accumulate * self.batch * self.seq
 
+    def data(self, seed: int) -> MarkovTokens:
+        """The job's synthetic data: tokens, and anchors when the drafter takes a fixed
+        number of them."""
+        return MarkovTokens(
+            self.target.vocab,
+            self.seq,
+            self.batch,
+            seed=seed,
+            anchors=self.drafter.anchors,
+            block=self.drafter.block,
+        )
+
 
 @dataclass
 class Models:
@@ -84,28 +97,43 @@ def target_dtype(device: str) -> torch.dtype:
 
 
 def build_models(job: Job, placement: Placement, *, ddp: bool = False) -> Models:
-    """Fresh models from job.seed: the same weights on every call."""
+    """Fresh models from job.seed: the same weights on every call (for one placement:
+    random weights are drawn on the device the models are built on).
+
+    The target is built on the first target lane's device, in its dtype: a checkpoint
+    loads once, at the size it runs at, and an 8 B target from a config is initialised
+    on the GPU, without a pass on the host. The drafter is built on the first drafter
+    lane's device; the other lanes get copies. Its trainable weights stay fp32 (the
+    master weights; the GPU forward runs under bf16 autocast) and train with AdamW,
+    fused on a GPU; its frozen embedding and head match the target's precision."""
+    first = placement.targets[0]
     torch.manual_seed(job.seed)
-    # Built in the first target's dtype: a checkpoint loads once, at the size it runs at.
-    reference = job.target.build(target_dtype(placement.targets[0])).eval().requires_grad_(False)
+    reference = job.target.build(target_dtype(first), device=first)
+    reference = reference.eval().requires_grad_(False)
     torch.manual_seed(job.seed + 1)
-    drafter = BlockDrafter(reference, job.drafter)
+    with torch.device(placement.drafters[0]):
+        drafter = BlockDrafter(reference, job.drafter)
     by_device: dict[str, torch.nn.Module] = {}
     for device in placement.targets:
         if device not in by_device:
-            by_device[device] = copy.deepcopy(reference).to(device, target_dtype(device))
+            same = torch.device(device) == next(reference.parameters()).device
+            model = reference if same else copy.deepcopy(reference)
+            by_device[device] = model.to(device, target_dtype(device))
     drafters: list[torch.nn.Module] = []
     for device in placement.drafters:
-        replica = copy.deepcopy(drafter).to(device)
-        # The frozen embedding and head match the target's precision.
+        replica = drafter if not drafters else copy.deepcopy(drafter)
+        replica = replica.to(device)
         replica.embed.to(target_dtype(device))
         replica.lm_head.to(target_dtype(device))
         drafters.append(replica)
     optimizers = [
         torch.optim.AdamW(
-            [p for p in d.parameters() if p.requires_grad], lr=job.lr, weight_decay=0.0
+            [p for p in d.parameters() if p.requires_grad],
+            lr=job.lr,
+            weight_decay=0.0,
+            fused=torch.device(device).type == "cuda",
         )
-        for d in drafters
+        for d, device in zip(drafters, placement.drafters, strict=True)
     ]
     if ddp:
         if len(drafters) != 1:
@@ -121,9 +149,12 @@ def build_models(job: Job, placement: Placement, *, ddp: bool = False) -> Models
 
 # --- the two stages ---------------------------------------------------------------------------
 def target_forward(target: torch.nn.Module) -> Callable[[dict], dict]:
+    """The target stage: the features, with the tokens (and the data's anchors, when it
+    has them) passed on to the drafter."""
+
     def forward(batch: dict) -> dict:
         ids = batch["input_ids"]
-        return {"features": target(ids), "input_ids": ids}
+        return {**batch, "features": target(ids)}
 
     return forward
 
@@ -134,6 +165,8 @@ def drafter_loss(drafter: torch.nn.Module, inputs: dict) -> torch.Tensor:
         torch.autocast("cuda", torch.bfloat16) if features.is_cuda else contextlib.nullcontext()
     )
     with autocast:
+        if "anchors" in inputs:
+            return drafter(features, ids, inputs["anchors"])
         return drafter(features, ids)
 
 

@@ -9,7 +9,11 @@ Drafter (after DFlash, block diffusion drafting): for each anchor position p it
 predicts the `block - 1` tokens after x_p in one parallel pass. A block's input is
 [embed(x_p), mask, ..., mask]; each drafter layer attends from the block to the
 target's context features at positions <= p and, bidirectionally, to its own block.
-Embedding and LM head are frozen copies of the target's.
+Embedding and LM head are frozen copies of the target's. The anchors are every
+block-th position, or a fixed number per sequence drawn by the data (`anchors`); the
+loss runs over the full vocabulary in chunks (`fused_loss`). `DFLASH_B16` is the
+published DFlash recipe for Qwen3-8B. (DFlash's context stops just before p; here it
+includes p. The shapes and FLOPs are the same.)
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fused_loss import linear_cross_entropy
 from .gated_delta import gated_delta_rule
 
 
@@ -44,8 +49,9 @@ class TargetConfig:
                 f"expected capture_layers in [0, {self.layers}), got {self.capture_layers}"
             )
 
-    def build(self, dtype: torch.dtype = torch.float32) -> HybridTarget:
-        return HybridTarget(self).to(dtype)
+    def build(self, dtype: torch.dtype = torch.float32, device: str = "cpu") -> HybridTarget:
+        with torch.device(device):
+            return HybridTarget(self).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -56,14 +62,37 @@ class DrafterConfig:
     mlp_ratio: float = 3.0
     block: int = 8  # tokens per block: the anchor and block - 1 predicted tokens
     decay: float = 0.8  # loss weight of predicted position i is decay ** (i - 1)
+    kv_heads: int | None = None  # key/value heads (grouped-query attention); None: heads
+    anchors: int | None = None  # anchors per sequence, given by the data; None: every block
+    group: int = 32  # blocks per attention query group (Note [Grouped block attention])
+    loss_chunk: int = 1024  # rows per chunk of the fused head + cross entropy
 
     def __post_init__(self) -> None:
         if self.block < 2:
             raise ValueError(f"expected block >= 2 (an anchor and a prediction), got {self.block}")
+        if self.heads % self.kv_heads_:
+            raise ValueError(f"expected kv_heads dividing heads {self.heads}, got {self.kv_heads_}")
+        for name in ("layers", "group", "loss_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"expected {name} >= 1, got {getattr(self, name)}")
+        if self.anchors is not None and self.anchors < 1:
+            raise ValueError(f"expected anchors >= 1 or None, got {self.anchors}")
+
+    @property
+    def kv_heads_(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
 
 
 TINY_TARGET = TargetConfig(vocab=64, dim=32, layers=4, heads=2, head_dim=16, capture_layers=(1, 3))
 TINY_DRAFTER = DrafterConfig(layers=1, heads=2, head_dim=16, block=4)
+# The published DFlash recipe for Qwen3-8B (SpecForge's "Domino disaggregated performance
+# findings"): 5 layers of Qwen3-8B's width (32 query heads and 8 key/value heads of 128,
+# MLP 3x), blocks of 16, 256 anchors per sequence; with Qwen3-8B's five capture layers,
+# 1.05 B trainable parameters besides the frozen 151,936-token embedding and head.
+DFLASH_B16 = DrafterConfig(
+    layers=5, heads=32, kv_heads=8, head_dim=128, mlp_ratio=3.0, block=16, anchors=256
+)
+DRAFTERS = {"default": DrafterConfig(), "tiny": TINY_DRAFTER, "dflash-b16": DFLASH_B16}
 
 
 # --- shared pieces ----------------------------------------------------------------------------
@@ -74,10 +103,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x * self.weight.float()).to(dtype)
+        # torch's rms_norm: one fused kernel each way where torch has one (CUDA), in x's
+        # dtype with fp32 accumulation. Autocast would run it in fp32 (two more passes
+        # over x and an fp32 copy kept for the backward): here it runs in x's dtype.
+        if x.is_cuda and torch.is_autocast_enabled("cuda"):
+            with torch.autocast("cuda", enabled=False):
+                return F.rms_norm(x, x.shape[-1:], self.weight.to(x.dtype), self.eps)
+        return F.rms_norm(x, x.shape[-1:], self.weight.to(x.dtype), self.eps)
 
 
 class SwiGLU(nn.Module):
@@ -214,30 +246,83 @@ class HybridTarget(nn.Module):
 
 
 # --- the drafter ------------------------------------------------------------------------------
+def rotary(positions: torch.Tensor, head_dim: int, dtype: torch.dtype, base: float = 10000.0):
+    """cos and sin [B, L, 1, head_dim / 2] of integer `positions` [B, L], for `apply_rotary`."""
+    half = head_dim // 2
+    freqs = base ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
+    angles = positions.float()[..., None, None] * freqs
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rope` for x [B, L, H, D] with precomputed cos and sin."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@dataclass
+class BlockLayout:
+    """What every drafter layer of one forward shares: the blocks' rotary tables, the
+    context's, and the attention mask of each query group (Note [Grouped block attention])."""
+
+    groups: int  # query groups per sequence
+    x_rotary: tuple[torch.Tensor, torch.Tensor]
+    context_rotary: tuple[torch.Tensor, torch.Tensor]
+    mask: torch.Tensor  # [B * groups, 1, group queries, context + group queries], bool
+
+
+# Note [Grouped block attention]: a block's queries see the context up to the block's
+# anchor and the block itself. Attending from all n blocks to [context; all n blocks] with
+# a mask (the plain layout) spends most of the attention on keys every query masks out:
+# at 256 blocks of 16 after 768 tokens, 4096 + 768 keys per query of which at most 784
+# count. Here the queries go in groups of `group` blocks, each group attending to
+# [context; its own blocks] only: 768 + 512 keys at group 32, 3.8x less attention work
+# and memory, for a copy of the context's keys and values per group. The result is the
+# plain layout's (the keys a query sees are the same). The mask is a tensor built from
+# the anchors, with shapes fixed by the configuration: nothing syncs with the host.
 class BlockAttention(nn.Module):
     """Block tokens attend to context features (keys/values from the target's hidden
-    states) and to their own block."""
+    states) and to their own block. `kv_heads` < `heads` shares each key/value head
+    between heads / kv_heads query heads (grouped-query attention)."""
 
     def __init__(self, dim: int, cfg: DrafterConfig) -> None:
         super().__init__()
-        self.heads, self.head_dim = cfg.heads, cfg.head_dim
-        inner = cfg.heads * cfg.head_dim
-        self.q_proj = nn.Linear(dim, inner, bias=False)
-        self.kv_proj = nn.Linear(dim, 2 * inner, bias=False)
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads_, cfg.head_dim
+        self.q_proj = nn.Linear(dim, cfg.heads * cfg.head_dim, bias=False)
+        self.kv_proj = nn.Linear(dim, 2 * self.kv_heads * cfg.head_dim, bias=False)
         self.q_norm, self.k_norm = RMSNorm(cfg.head_dim), RMSNorm(cfg.head_dim)
-        self.out_proj = nn.Linear(inner, dim, bias=False)
+        self.out_proj = nn.Linear(cfg.heads * cfg.head_dim, dim, bias=False)
 
-    def forward(self, x, context, x_positions, context_positions, mask):
-        batch = x.shape[0]
+    def _keys_values(self, t: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]):
+        batch, length = t.shape[:2]
+        k, v = self.kv_proj(t).view(batch, length, 2, self.kv_heads, self.head_dim).unbind(2)
+        return apply_rotary(self.k_norm(k), *rot), v
 
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(batch, -1, self.heads, self.head_dim).transpose(1, 2)
+    def forward(self, x: torch.Tensor, context: torch.Tensor, layout: BlockLayout):
+        batch, queries = x.shape[:2]
+        g = layout.groups
+        per_group = queries // g
+        rep = self.heads // self.kv_heads
+        q = self.q_proj(x).view(batch, queries, self.heads, self.head_dim)
+        q = apply_rotary(self.q_norm(q), *layout.x_rotary)
+        q = q.view(batch * g, per_group, self.heads, self.head_dim).transpose(1, 2)
+        k_ctx, v_ctx = self._keys_values(context, layout.context_rotary)
+        k_x, v_x = self._keys_values(x, layout.x_rotary)
 
-        q = rope(self.q_norm(heads(self.q_proj(x))), x_positions)
-        k, v = self.kv_proj(torch.cat([context, x], dim=1)).chunk(2, dim=-1)
-        k = rope(self.k_norm(heads(k)), torch.cat([context_positions, x_positions]))
-        o = F.scaled_dot_product_attention(q, k, heads(v), attn_mask=mask)
-        return self.out_proj(o.transpose(1, 2).reshape(batch, x.shape[1], -1))
+        def grouped(ctx_part: torch.Tensor, x_part: torch.Tensor) -> torch.Tensor:
+            # [B, T, kv, D] and [B, n * block, kv, D] -> [B * g, heads, T + per_group, D]
+            shape = (batch, g, -1, self.kv_heads, rep, self.head_dim)
+            ctx_part = ctx_part[:, None, :, :, None].expand(shape)
+            x_part = x_part.view(batch, g, per_group, self.kv_heads, 1, self.head_dim)
+            both = torch.cat([ctx_part, x_part.expand(shape)], dim=2)
+            return both.view(batch * g, -1, self.heads, self.head_dim).transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(
+            q, grouped(k_ctx, k_x), grouped(v_ctx, v_x), attn_mask=layout.mask
+        )
+        o = o.transpose(1, 2).reshape(batch, queries, self.heads * self.head_dim)
+        return self.out_proj(o)
 
 
 class DrafterLayer(nn.Module):
@@ -247,14 +332,17 @@ class DrafterLayer(nn.Module):
         self.attn = BlockAttention(dim, cfg)
         self.mlp = SwiGLU(dim, cfg.mlp_ratio)
 
-    def forward(self, x, context, x_positions, context_positions, mask):
-        x = x + self.attn(self.attn_norm(x), context, x_positions, context_positions, mask)
+    def forward(self, x: torch.Tensor, context: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), context, layout)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class BlockDrafter(nn.Module):
     """`target` is a HybridTarget or an examples.dflash.hf.HFTarget: its `feature_dim`
-    is the width of the features it returns, its embeddings give the drafter's width."""
+    is the width of the features it returns, its embeddings give the drafter's width.
+
+    With `cfg.anchors` set, each sequence's anchors come with the data (`anchors` below,
+    made by `data.MarkovTokens`); without, every block-th position is an anchor."""
 
     def __init__(self, target: nn.Module, cfg: DrafterConfig) -> None:
         super().__init__()
@@ -271,39 +359,106 @@ class BlockDrafter(nn.Module):
         self.lm_head = copy.deepcopy(lm_head).requires_grad_(False)
 
     def anchors(self, length: int, device: torch.device) -> torch.Tensor:
-        """Anchor positions: every block-th position with a whole block after it."""
+        """Anchor positions without data-given anchors: every block-th position with a
+        whole block after it."""
         return torch.arange(0, length - self.cfg.block + 1, self.cfg.block, device=device)
 
-    def predict(self, features: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, anchors, block - 1, vocab] for x_(p+1) .. x_(p+block-1) at each anchor p."""
+    def _anchors(self, input_ids: torch.Tensor, anchors: torch.Tensor | None) -> torch.Tensor:
+        """[B, n]: the data's first cfg.anchors entries, or every block-th position."""
         batch, length = input_ids.shape
-        block = self.cfg.block
-        anchors = self.anchors(length, input_ids.device)
-        n = anchors.numel()
+        if self.cfg.anchors is None:
+            return self.anchors(length, input_ids.device).expand(batch, -1)
+        if anchors is None:
+            raise ValueError(
+                f"expected anchors with the batch: the drafter takes {self.cfg.anchors} "
+                "per sequence (data.MarkovTokens(..., anchors=n, block=b) makes them)"
+            )
+        return anchors[:, : self.cfg.anchors]
+
+    def hidden(
+        self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor
+    ) -> torch.Tensor:
+        """The final hidden states of the predicted positions, [B, n, block - 1, dim]."""
+        batch, length = input_ids.shape
+        block, n = self.cfg.block, anchors.shape[1]
+        device = input_ids.device
         context = self.context_norm(self.fc(features))
         x = self.mask_embedding.to(context.dtype).expand(batch, n, block, -1).clone()
-        x[:, :, 0] = self.embed(input_ids[:, anchors]).to(context.dtype)
+        x[:, :, 0] = self.embed(input_ids.gather(1, anchors)).to(context.dtype)
         x = x.reshape(batch, n * block, -1)
-        offsets = torch.arange(block, device=input_ids.device)
-        x_positions = (anchors[:, None] + offsets[None, :]).reshape(-1)
-        context_positions = torch.arange(length, device=input_ids.device)
-        block_of = torch.arange(n, device=input_ids.device).repeat_interleave(block)
-        sees_context = context_positions[None, :] <= anchors[block_of][:, None]
-        same_block = block_of[:, None] == block_of[None, :]
-        mask = torch.cat([sees_context, same_block], dim=1)
+        group = math.gcd(n, self.cfg.group)
+        g = n // group
+        head_dim = self.cfg.head_dim
+        x_positions = (anchors[:, :, None] + torch.arange(block, device=device)).view(batch, -1)
+        context_positions = torch.arange(length, device=device).expand(batch, -1)
+        # Note [Grouped block attention]
+        query_anchor = anchors.repeat_interleave(block, dim=1).view(batch, g, group * block)
+        sees_context = torch.arange(length, device=device) <= query_anchor[..., None]
+        block_of = torch.arange(group * block, device=device) // block
+        same_block = (block_of[:, None] == block_of[None, :]).expand(batch, g, -1, -1)
+        mask = torch.cat([sees_context, same_block], dim=-1)
+        layout = BlockLayout(
+            groups=g,
+            x_rotary=rotary(x_positions, head_dim, context.dtype),
+            context_rotary=rotary(context_positions, head_dim, context.dtype),
+            mask=mask.view(batch * g, 1, group * block, -1),
+        )
         for layer in self.layers:
-            x = layer(x, context, x_positions, context_positions, mask)
-        x = self.norm(x).reshape(batch, n, block, -1)[:, :, 1:]
+            x = layer(x, context, layout)
+        return self.norm(x).reshape(batch, n, block, -1)[:, :, 1:]
+
+    def predict(
+        self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits [B, anchors, block - 1, vocab] for x_(p+1) .. x_(p+block-1) at each anchor p."""
+        anchors = self._anchors(input_ids, anchors)
+        x = self.hidden(features, input_ids, anchors)
         return self.lm_head(x.to(self.lm_head.weight.dtype))
 
-    def forward(self, features: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The training loss (forward returns it, so DistributedDataParallel sees the call):
-        cross entropy of the block predictions, position i weighted by decay ** (i - 1)."""
-        logits = self.predict(features, input_ids).float()
-        anchors = self.anchors(input_ids.shape[1], input_ids.device)
+        cross entropy of the block predictions, position i weighted by decay ** (i - 1),
+        over the full vocabulary in chunks (fused_loss.linear_cross_entropy)."""
+        anchors = self._anchors(input_ids, anchors)
+        x = self.hidden(features, input_ids, anchors)
+        batch, n = anchors.shape
         offsets = torch.arange(1, self.cfg.block, device=input_ids.device)
-        labels = input_ids[:, anchors[:, None] + offsets[None, :]]
-        losses = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none")
+        labels = input_ids.gather(1, (anchors[:, :, None] + offsets).view(batch, -1))
         weights = self.cfg.decay ** (offsets - 1).float()
-        losses = losses.view(*labels.shape) * weights
-        return losses.sum() / (weights.sum() * labels.shape[0] * labels.shape[1])
+        weights = (weights / (weights.sum() * batch * n)).expand(batch, n, -1)
+        return linear_cross_entropy(
+            x.reshape(-1, x.shape[-1]),
+            self.lm_head.weight,
+            labels.flatten(),
+            weights.flatten(),
+            chunk=self.cfg.loss_chunk,
+        )
+
+
+class _Shapes(nn.Module):
+    """A stand-in target with only the shapes a drafter takes from one."""
+
+    def __init__(self, dim: int, feature_dim: int, vocab: int) -> None:
+        super().__init__()
+        self.feature_dim = feature_dim
+        self.embed = nn.Embedding(vocab, dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+
+def drafter_parameters(cfg: DrafterConfig, dim: int, feature_dim: int, vocab: int) -> dict:
+    """Parameter counts of a drafter for a target of width `dim`, features `feature_dim`
+    wide and a `vocab`-token head, built on the meta device (no memory, no time):
+    {"trainable", "frozen" (the embedding and head copies), "total"}."""
+    with torch.device("meta"):
+        drafter = BlockDrafter(_Shapes(dim, feature_dim, vocab), cfg)
+    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in drafter.parameters() if not p.requires_grad)
+    return {"trainable": trainable, "frozen": frozen, "total": trainable + frozen}

@@ -1,0 +1,627 @@
+"""Section: DFlash training at SpecForge's published Qwen3-8B scale, on one GPU.
+
+The workload: a Qwen3-8B-shaped dense target (transformers' Qwen3 from a config, random
+weights, bf16) and the published DFlash drafter (5 layers of Qwen3-8B's width, block 16,
+256 anchors per sequence, the full 151,936-token head; `DFLASH_B16` in
+examples/dflash/models.py), at batch 2 and sequence 768. On one GPU:
+
+- the drafter step alone: ms per sample, achieved TFLOP/s and MFU (FLOPs counted by
+  torch.utils.flop_counter), and where its GPU time goes by kind of kernel;
+- the target's prefill alone: tokens/s and MFU;
+- the pipeline, target and drafter lanes both on cuda:0: samples/s and tokens/s, against
+  the sum of the two stages' GPU-busy times alone (the limit for one GPU), the sequential
+  loop and the ThreadPoolExecutor loop, all measured in this run; peak memory;
+- with several GPUs, data-parallel drafters: one process driving every GPU (the
+  pipeline's replicas) and torchrun with one process per GPU (the example's DDP path).
+
+SpecForge's published figures (sgl-project/SpecForge, docs/benchmarks/domino-disaggregated-
+performance.md) sit beside ours as baselines; they are other runs on other software, so
+every ratio against them is a cross-run comparison, and the rows say so.
+
+    python -m bench.dflash_scale [--quick | --full] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import limits
+from bench.common import Context, Row, compare, not_run
+from bench.pipeline import Setup, step_time
+from examples.dflash.hf import HFTargetConfig, dflash_layers
+from examples.dflash.loops import (
+    Job,
+    Models,
+    PipelineLoop,
+    Placement,
+    build_models,
+    drafter_loss,
+    executor_steps,
+    sequential_steps,
+    target_forward,
+)
+from examples.dflash.models import DFLASH_B16, DRAFTERS, drafter_parameters
+
+SECTION = "dflash_scale"
+SEQ, BATCH = 768, 2
+TARGET = "qwen3-8b"
+NEEDS_GPU = "needs a GPU: an 8 B target and a 1 B drafter at full vocabulary"
+ONE_GPU = "not run: one GPU lent"
+
+# SpecForge's published figures (docs/benchmarks/domino-disaggregated-performance.md):
+# Qwen3-8B target, an ~1.1 B DFlash-family drafter (5 layers, block 16, 256 anchors, full
+# vocabulary head), bf16, H200s. Their trainer microbenchmark times the drafter alone at
+# batch 2, sequence 768 with CUDA events; their end-to-end run is 1 SGLang capture server
+# + 7 FSDP trainers on 8 GPUs, batch 2, accumulation 8, prompts averaging ~550 tokens,
+# hidden states through Mooncake over RDMA.
+SPECFORGE = {
+    "source": "sgl-project/SpecForge docs/benchmarks/domino-disaggregated-performance.md",
+    "drafter_ms_per_sample": 105.6,
+    "drafter_tflop_per_sample": 45.0,
+    "drafter_mfu": 0.435,
+    "drafter_peak_bytes": 25e9,
+    "prefill_tokens_per_s": 27_000.0,
+    "prefill_mfu": 0.43,
+    "samples_per_s_per_gpu": 50.1 / 8,
+}
+CROSS_RUN = "SpecForge, published (cross-run)"
+SETUP_DIFFERENCES = (
+    "SpecForge's figures are another run (8xH200, SGLang capture server, FSDP trainers, "
+    "real prompts averaging ~550 tokens, their kernels); ours: one GPU, both stages "
+    "colocated, random weights and synthetic tokens at exactly 768"
+)
+
+# Kernel names by kind, for where the drafter's GPU time goes (first match wins).
+KINDS = (
+    ("attention", re.compile(r"fmha|flash|attention|attn|cudnn", re.I)),
+    ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|matmul|sm90_|sm80_|cublas", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor", re.I)),
+    ("loss (softmax, argmax, gather)", re.compile(r"softmax|argmax|arg_max|scatter|gather", re.I)),
+    ("copies", re.compile(r"memcpy|memset|copy|cat", re.I)),
+)
+
+
+@dataclasses.dataclass
+class Scale:
+    """The workload and how long to time it."""
+
+    job: Job
+    placement: Placement
+    steps: int  # timed optimizer steps per loop
+    reps: int  # repetitions of a timed measurement
+    warmup: int  # untimed steps first
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.placement.targets[0].startswith("cuda")
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.job.accumulate * self.job.batch
+
+
+def make_scale(ctx: Context) -> Scale:
+    """The published shapes on cuda:0. Default: accumulation 4, 3 timed steps (about a
+    minute on an H200); --quick: 2 and 2; --full: SpecForge's accumulation 8, 5 steps."""
+    full = ctx.full and not ctx.quick
+    target = HFTargetConfig.load(TARGET, dflash_layers(36, DFLASH_B16.layers))
+    accumulate, steps = (8, 5) if full else (2, 2) if ctx.quick else (4, 3)
+    job = Job(target, DFLASH_B16, seq=SEQ, batch=BATCH, accumulate=accumulate, lr=1e-4)
+    return Scale(job, Placement(("cuda:0",), ("cuda:0",)), steps, reps=2 if full else 1, warmup=1)
+
+
+class _Setup(Setup):
+    """bench.pipeline's timing setup, with the job's own data (tokens and anchors)."""
+
+    def batches(self, count: int) -> list[dict]:
+        if len(self._made) < count:
+            self._made = self.job.data(seed=self.job.seed).batches(0, count, pin=self.on_gpu)
+        return self._made[:count]
+
+
+def _setup(scale: Scale, placement: Placement | None = None) -> _Setup:
+    return _Setup(
+        scale.job,
+        placement or scale.placement,
+        steps=scale.steps,
+        reps=scale.reps,
+        warmup=scale.warmup,
+        on_gpu=scale.on_gpu,
+    )
+
+
+def synchronize(scale: Scale) -> None:
+    for device in {*scale.placement.lanes}:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+
+
+def peak_bytes(scale: Scale) -> int | None:
+    return torch.cuda.max_memory_allocated(0) if scale.on_gpu else None
+
+
+def reset_peak(scale: Scale) -> None:
+    if scale.on_gpu:
+        synchronize(scale)
+        torch.cuda.reset_peak_memory_stats(0)
+
+
+# --- the stages alone -------------------------------------------------------------------------
+@dataclasses.dataclass
+class Stage:
+    cost: limits.Cost  # per call
+    flops: int  # per call
+    peak: int | None  # allocator peak while measured
+
+
+def device_inputs(scale: Scale, models: Models, batches: list[dict]) -> list[dict]:
+    """The drafter's inputs as the pipeline hands them over: target outputs on its device."""
+    device = scale.placement.targets[0]
+    forward = target_forward(models.targets[0])
+    with torch.no_grad():
+        out = [forward({k: t.to(device) for k, t in b.items()}) for b in batches]
+    synchronize(scale)
+    return out
+
+
+def target_alone(scale: Scale, models: Models, batch: dict) -> Stage:
+    """One prefill of a microbatch, as the target lane runs it."""
+    forward = target_forward(models.targets[0])
+    batch = {k: t.to(scale.placement.targets[0]) for k, t in batch.items()}
+
+    def prefill() -> None:
+        with torch.no_grad():
+            forward(batch)
+
+    flops = limits.count_flops(prefill)
+    reset_peak(scale)
+    cost = limits.measure(prefill, reps=5 * scale.reps, warmup=2)
+    return Stage(cost, flops, peak_bytes(scale))
+
+
+def drafter_step(scale: Scale, models: Models, inputs: list[dict]) -> Callable[[], None]:
+    """One optimizer step of the drafter stage alone: a forward and backward per input,
+    then AdamW, as the pipeline's drafter lane runs them (no host sync inside)."""
+    drafter, optimizer = models.drafters[0], models.optimizers[0]
+
+    def step() -> None:
+        for x in inputs:
+            with torch.autograd.set_multithreading_enabled(False):  # as the pipeline
+                (drafter_loss(drafter, x) / len(inputs)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def drafter_alone(scale: Scale, models: Models, inputs: list[dict]) -> Stage:
+    drafter = models.drafters[0]
+    step = drafter_step(scale, models, inputs)
+
+    def microbatch() -> None:
+        drafter_loss(drafter, inputs[0]).backward()
+
+    # FLOPs of the optimizer step are not counted (elementwise), as MFU conventions do.
+    flops = limits.count_flops(microbatch) * len(inputs)
+    models.optimizers[0].zero_grad(set_to_none=True)
+    reset_peak(scale)
+    cost = limits.measure(step, reps=scale.reps + 1, warmup=1)
+    return Stage(cost, flops, peak_bytes(scale))
+
+
+def kernel_breakdown(step: Callable[[], None], on_gpu: bool) -> dict[str, Any] | None:
+    """GPU time of one call of step() by kind of kernel, and its top kernels."""
+    if not on_gpu:
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        torch.cuda.synchronize()
+    by_name: dict[str, float] = defaultdict(float)
+    for event in prof.profiler.kineto_results.events():
+        if event.device_type() == torch.autograd.DeviceType.CUDA:
+            by_name[event.name()] += event.duration_ns() / 1e6
+    return summarize_kernels(by_name)
+
+
+def summarize_kernels(by_name: dict[str, float], top: int = 8) -> dict[str, Any]:
+    """{"total_ms", "by_kind_ms", "top": [(name, ms), ...]} of kernel times by name."""
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, ms in by_name.items():
+        kind = next((k for k, pattern in KINDS if pattern.search(name)), "other elementwise")
+        by_kind[kind] += ms
+    ranked = sorted(by_name.items(), key=lambda item: -item[1])[:top]
+    return {
+        "total_ms": sum(by_name.values()),
+        "by_kind_ms": dict(sorted(by_kind.items(), key=lambda item: -item[1])),
+        "top": [(name[:120], ms) for name, ms in ranked],
+    }
+
+
+# --- the loops --------------------------------------------------------------------------------
+def loop_times(ctx: Context, scale: Scale, models: Models) -> dict[str, Any]:
+    """Seconds per optimizer step of the sequential loop, the executor loop and the
+    pipeline on the same models, and the pipeline's allocator peak."""
+    job, placement = scale.job, scale.placement
+    setup = _setup(scale)
+    out: dict[str, Any] = {}
+    ctx.progress("dflash_scale: sequential loop")
+    out["sequential"] = step_time(
+        setup, lambda b, n: sequential_steps(models, placement, job, b, n)
+    )
+    ctx.progress("dflash_scale: executor loop")
+    out["executor"] = step_time(
+        setup, lambda b, n: executor_steps(models, placement, job, b, n, depth=2)
+    )
+    ctx.progress("dflash_scale: pipeline")
+    loop = PipelineLoop(models, placement, job, depth=2)
+    try:
+        loop.warm_up(setup.batches(1)[0])
+        reset_peak(scale)
+        out["pipeline"] = step_time(setup, loop.steps)
+        out["peak"] = peak_bytes(scale)
+    finally:
+        loop.close()
+    return out
+
+
+def data_parallel_rate(scale: Scale, devices: list[str]) -> tuple[float, float]:
+    """(samples/s, seconds per optimizer step) with a target and a drafter replica on
+    each device, one process driving all of them through the pipeline: microbatch k runs
+    on device k % n, and the replicas' gradients are summed before each step. The
+    accumulation is rounded up to a multiple of n."""
+    n = len(devices)
+    accumulate = -(-scale.job.accumulate // n) * n
+    job = dataclasses.replace(scale.job, accumulate=accumulate)
+    placement = Placement(tuple(devices), tuple(devices))
+    sub = dataclasses.replace(scale, job=job, placement=placement)
+    loop = PipelineLoop(build_models(job, placement), placement, job, depth=2 * n)
+    try:
+        setup = _setup(sub, placement)
+        loop.warm_up(setup.batches(1)[0])
+        step = step_time(setup, loop.steps)
+    finally:
+        loop.close()
+    return accumulate * job.batch / step, step
+
+
+def torchrun_command(scale: Scale, n: int, out: Path, steps: int) -> list[str]:
+    """The example under torchrun, one process per GPU (each: target and DDP drafter on
+    its own GPU), at the scale's shapes."""
+    job = scale.job
+    layers = ",".join(str(i) for i in job.target.capture_layers)
+    named = [name for name, cfg in DRAFTERS.items() if cfg == job.drafter]
+    if not named:
+        raise ValueError(f"expected a drafter named in DRAFTERS, got {job.drafter}")
+    drafter = named[0]
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_dflash_online.py"
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={n}",
+        str(script),
+        f"--target-config={job.target.source}",
+        f"--target-layers={layers}",
+        f"--drafter-config={drafter}",
+        f"--seq={job.seq}",
+        f"--batch={job.batch}",
+        f"--accumulate={job.accumulate}",
+        f"--steps={steps}",
+        f"--log-every={steps}",
+        f"--out={out}",
+        "--no-plot",
+    ]
+
+
+def torchrun_time(scale: Scale, n: int, steps: int, timeout: float = 300) -> float:
+    """Seconds per optimizer step of rank 0 under torchrun with n processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = torchrun_command(scale, n, Path(tmp), steps)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run(cmd, check=True, timeout=timeout, env=env, capture_output=True)
+        summary = json.loads((Path(tmp) / "summary.json").read_text())
+    return summary["step_time_s"]
+
+
+# --- rows -------------------------------------------------------------------------------------
+def parameter_row(scale_job: Job) -> Row:
+    target = scale_job.target
+    counts = drafter_parameters(
+        scale_job.drafter, target.dim, target.dim * len(target.capture_layers), target.vocab
+    )
+    return Row(
+        SECTION,
+        "drafter parameters, trainable",
+        float(counts["trainable"]),
+        "count",
+        note=(
+            f"{counts['trainable'] / 1e9:.3f} B trainable (fp32 master weights, bf16 autocast, "
+            f"fused AdamW) + {counts['frozen'] / 1e9:.3f} B frozen (the target's embedding "
+            f"and head, bf16); capture layers {list(target.capture_layers)}; SpecForge: ~1.1 B"
+        ),
+        extra=counts,
+    )
+
+
+def mfu(flops: float, seconds: float) -> float | None:
+    peak = limits.peak_flops(0)
+    return None if peak is None else flops / seconds / peak
+
+
+def measure(ctx: Context, scale: Scale) -> list[Row]:
+    """Every row of one GPU (or, at tiny shapes, the code path on CPU lanes)."""
+    job = scale.job
+    ctx.progress(f"dflash_scale: building the target ({job.target.source}) and the drafter")
+    started = time.perf_counter()
+    models = build_models(job, scale.placement)
+    synchronize(scale)
+    build_s = time.perf_counter() - started
+    data = job.data(seed=job.seed + 1)
+    batches = data.batches(0, job.accumulate)
+    ctx.progress("dflash_scale: the target's prefill alone")
+    target = target_alone(scale, models, batches[0])
+    ctx.progress("dflash_scale: the drafter step alone")
+    inputs = device_inputs(scale, models, batches)
+    drafter = drafter_alone(scale, models, inputs)
+    kernels = kernel_breakdown(drafter_step(scale, models, inputs), scale.on_gpu)
+    del inputs
+    loops = loop_times(ctx, scale, models)
+    del models
+    if scale.on_gpu:
+        torch.cuda.empty_cache()
+
+    per_step = scale.samples_per_step
+    where = (
+        f"{job.target.source} + drafter, batch {job.batch} x {job.seq}, "
+        f"accumulation {job.accumulate}"
+    )
+    rows = [parameter_row(job)]
+
+    # The drafter alone.
+    d_ms = drafter.cost.wall_ms / per_step
+    d_mfu = mfu(drafter.flops, drafter.cost.wall_ms / 1e3)
+    tflops = drafter.flops / (drafter.cost.wall_ms / 1e3) / 1e12
+    d_extra = {
+        "cost": drafter.cost.as_dict(),
+        "flops_per_step": drafter.flops,
+        "tflop_per_sample": drafter.flops / per_step / 1e12,
+        "achieved_tflop_per_s": tflops,
+        "mfu": d_mfu,
+        # Our time per sample against SpecForge's FLOP count per sample (~45 T: their
+        # plain masked attention over every block, the head at the anchor too): the
+        # MFU their counting would give this run (cross-run).
+        "mfu_at_specforge_flops": mfu(SPECFORGE["drafter_tflop_per_sample"] * 1e12, d_ms / 1e3),
+        "peak_bytes": drafter.peak,
+        "kernels": kernels,
+        "build_s": build_s,
+    }
+    rows.append(
+        compare(
+            SECTION,
+            "drafter step alone, per sample",
+            d_ms,
+            "ms",
+            CROSS_RUN,
+            SPECFORGE["drafter_ms_per_sample"],
+            note=(
+                f"{where}; {drafter.flops / per_step / 1e12:.1f} TFLOP/sample counted "
+                f"(SpecForge ~45), {tflops:.0f} TFLOP/s; {SETUP_DIFFERENCES}"
+            ),
+            **d_extra,
+        )
+    )
+    rows.append(_mfu_row("drafter step alone, MFU", d_mfu, SPECFORGE["drafter_mfu"], kernels))
+    if drafter.peak is not None:
+        rows.append(
+            compare(
+                SECTION,
+                "drafter step alone, peak memory",
+                float(drafter.peak),
+                "bytes",
+                CROSS_RUN,
+                SPECFORGE["drafter_peak_bytes"],
+                note="allocator peak with the target resident (16 GB of it); SpecForge's "
+                "trainer holds the drafter alone",
+            )
+        )
+
+    # The target alone.
+    t_s = target.cost.wall_ms / 1e3
+    tokens_per_s = job.batch * job.seq / t_s
+    t_mfu = mfu(target.flops, t_s)
+    rows.append(
+        compare(
+            SECTION,
+            "target prefill alone, tokens/s",
+            tokens_per_s,
+            "tokens/s",
+            CROSS_RUN,
+            SPECFORGE["prefill_tokens_per_s"],
+            note=f"eager, bf16, {job.batch} x {job.seq} per forward; {SETUP_DIFFERENCES}",
+            cost=target.cost.as_dict(),
+            flops=target.flops,
+            mfu=t_mfu,
+        )
+    )
+    rows.append(_mfu_row("target prefill alone, MFU", t_mfu, SPECFORGE["prefill_mfu"], None))
+
+    # The pipeline on one GPU.
+    step = loops["pipeline"]
+    rate = per_step / step
+    rows.append(
+        compare(
+            SECTION,
+            "pipeline, one GPU, samples/s",
+            rate,
+            "samples/s",
+            "SpecForge per GPU, published (cross-run)",
+            SPECFORGE["samples_per_s_per_gpu"],
+            target="value >= 8" if scale.on_gpu else None,
+            note=(
+                f"target and drafter lanes on {scale.placement.targets[0]}; "
+                f"{rate * job.seq:,.0f} tokens/s; SpecForge: 50.1 samples/s on 8 GPUs; "
+                f"{SETUP_DIFFERENCES}"
+            ),
+            tokens_per_s=rate * job.seq,
+        )
+    )
+    if target.cost.gpu_busy_ms is not None and drafter.cost.gpu_busy_ms is not None:
+        limit_ms = target.cost.gpu_busy_ms * job.accumulate + drafter.cost.gpu_busy_ms
+        rows.append(
+            compare(
+                SECTION,
+                "pipeline step vs sum of stage-alone GPU-busy times",
+                step * 1e3,
+                "ms",
+                "target + drafter GPU-busy alone (same run)",
+                limit_ms,
+                target="<= 1.05",
+                note="the limit of one GPU: the stages' kernels back to back, no idle gap",
+                target_busy_ms_per_microbatch=target.cost.gpu_busy_ms,
+                drafter_busy_ms_per_step=drafter.cost.gpu_busy_ms,
+            )
+        )
+    else:
+        rows.append(
+            not_run(
+                SECTION, "pipeline step vs sum of stage-alone GPU-busy times", NEEDS_GPU, "<= 1.05"
+            )
+        )
+    for name in ("sequential", "executor"):
+        rows.append(
+            compare(
+                SECTION,
+                f"pipeline step vs {name} loop",
+                step * 1e3,
+                "ms",
+                f"{name} loop step (same run)",
+                loops[name] * 1e3,
+                note=where,
+            )
+        )
+    if loops["peak"] is not None:
+        rows.append(
+            Row(
+                SECTION,
+                "pipeline, one GPU, peak memory",
+                float(loops["peak"]),
+                "bytes",
+                note="allocator peak: target, drafter, AdamW state, depth-2 hidden states",
+            )
+        )
+    rows += data_parallel_rows(ctx, scale)
+    return rows
+
+
+def _mfu_row(name: str, value: float | None, theirs: float, kernels: dict | None) -> Row:
+    if value is None:
+        return not_run(SECTION, name, "no peak bf16 rate known for this device (bench/limits.py)")
+    note = f"FLOPs from torch.utils.flop_counter over wall time, peak {limits.peak_flops(0):.3g}"
+    if kernels:
+        total = kernels["total_ms"]
+        shares = ", ".join(f"{k} {ms / total:.0%}" for k, ms in kernels["by_kind_ms"].items())
+        note += f"; GPU time by kind: {shares}"
+    target = f"value >= {theirs}" if kernels is not None else None
+    return compare(SECTION, name, value, "fraction", CROSS_RUN, theirs, target=target, note=note)
+
+
+def data_parallel_rows(ctx: Context, scale: Scale) -> list[Row]:
+    gpus = ctx.gpus if scale.on_gpu else 0
+    names = (
+        "data-parallel drafters, one process, samples/s per GPU",
+        "data-parallel drafters, torchrun, samples/s per GPU",
+    )
+    if gpus < 2:
+        why = ONE_GPU if scale.on_gpu else NEEDS_GPU
+        return [not_run(SECTION, name, why) for name in names]
+    rows = []
+    devices = [f"cuda:{i}" for i in range(gpus)]
+    ctx.progress(f"dflash_scale: data-parallel drafters on {gpus} GPUs, one process")
+    rate, step = data_parallel_rate(scale, devices)
+    rows.append(
+        compare(SECTION, names[0], rate / gpus, "samples/s", note=f"{gpus} GPUs", step_s=step)
+    )
+    ctx.progress(f"dflash_scale: torchrun, {gpus} processes")
+    step = torchrun_time(scale, gpus, steps=scale.steps + scale.warmup)
+    rows.append(
+        compare(
+            SECTION,
+            names[1],
+            scale.samples_per_step / step,
+            "samples/s",
+            note=f"{gpus} processes, each {scale.samples_per_step} samples per step; rank 0's "
+            "mean step, its first included",
+            step_s=step,
+        )
+    )
+    return rows
+
+
+def run(ctx: Context) -> list[Row]:
+    if not ctx.gpus:
+        target = HFTargetConfig.load(TARGET, dflash_layers(36, DFLASH_B16.layers))
+        job = Job(target, DFLASH_B16, seq=SEQ, batch=BATCH, accumulate=8, lr=1e-4)
+        names = (
+            "drafter step alone, per sample",
+            "drafter step alone, MFU",
+            "target prefill alone, tokens/s",
+            "target prefill alone, MFU",
+            "pipeline, one GPU, samples/s",
+            "pipeline step vs sum of stage-alone GPU-busy times",
+            "pipeline step vs sequential loop",
+            "pipeline step vs executor loop",
+            "pipeline, one GPU, peak memory",
+            "data-parallel drafters, one process, samples/s per GPU",
+            "data-parallel drafters, torchrun, samples/s per GPU",
+        )
+        targets = {names[1]: "value >= 0.435", names[4]: "value >= 8", names[5]: "<= 1.05"}
+        return [parameter_row(job)] + [
+            not_run(SECTION, name, NEEDS_GPU, targets.get(name)) for name in names
+        ]
+    return measure(ctx, make_scale(ctx))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="pydflash benchmark: DFlash at Qwen3-8B scale")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true")
+    size.add_argument("--full", action="store_true", help="SpecForge's accumulation 8, more steps")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args(argv)
+    ctx = Context(
+        quick=args.quick,
+        gpus=torch.cuda.device_count(),
+        progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
+        full=args.full,
+    )
+    rows = run(ctx)
+    for row in rows:
+        value = "-" if row.value is None else f"{row.value:,.4g} {row.unit}"
+        ratio = "" if row.ratio is None else f"  x{row.ratio:.3f} vs {row.baseline_name}"
+        goal = "" if row.target is None else f"  goal {row.target}: {row.met}"
+        print(f"{row.name:56s} {value}{ratio}{goal}")
+        if row.note:
+            print(f"{'':56s} {row.note}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([row.as_dict() for row in rows], f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
