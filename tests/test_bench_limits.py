@@ -17,15 +17,15 @@ def test_union_counts_overlapping_spans_once():
 
 
 def test_host_time_counts_cpu_work_and_not_sleep():
-    def spin() -> None:
-        end = time.perf_counter() + 0.05
-        while time.perf_counter() < end:
+    def spin() -> None:  # 50 ms of this thread's CPU time, however loaded the machine is
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
             pass
 
     busy = limits.measure(spin, reps=2, warmup=0)
     idle = limits.measure(lambda: time.sleep(0.05), reps=2, warmup=0)
     assert busy.wall_ms >= 45 and idle.wall_ms >= 45
-    assert busy.host_ms >= 30
+    assert busy.host_ms >= 40
     assert idle.host_ms < busy.host_ms / 2
 
 
