@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import os
+import sys
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -13,6 +15,8 @@ from ._future import Future
 from ._native import C
 from .devices import parse_device, parse_devices
 from .lane import DEFAULT_SPIN_US, Lane
+
+_numbers = itertools.count(1)  # dispatchers made in this process, as exit messages name them
 
 
 class Dispatcher(concurrent.futures.Executor):
@@ -60,6 +64,13 @@ class Dispatcher(concurrent.futures.Executor):
         # Before any lane exists: an unsupported Triton raises with nothing to clean up.
         self._guard = guards.guard(names, missing_ok=True) if names else None
         self._lanes = [Lane(i, d, spin_us=spin_us) for i, d in enumerate(parsed)]
+        caller = sys._getframe(1)
+        self.name = (
+            f"dispatcher {next(_numbers)} (made at "
+            f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})"
+        )
+        for lane in self._lanes:
+            lane.owner = self.name
         if trace:
             self.set_tracing(True)
         # The hot path: a native callable picks the least-busy lane

@@ -23,6 +23,9 @@ class Lane(concurrent.futures.Executor):
 
     def __init__(self, index: int, device: int, *, spin_us: float = DEFAULT_SPIN_US) -> None:
         self._native = C.Lane(index, device, f"lane {index} ({describe(device)})", Future, spin_us)
+        # Which dispatcher the lane is part of, as exit messages name it when several
+        # dispatchers have lanes (set by Dispatcher).
+        self.owner = ""
         self._torch_streams: tuple[Any, Any] | None = None
         # The hot path: a native callable, no Python frame (csrc/python/bind_lane.cpp).
         # Built once; it shadows the method below.

@@ -4,6 +4,9 @@
 #include <chrono>
 #include <climits>
 #include <cstdio>
+#if defined(__GLIBCXX__)
+#include <cxxabi.h>
+#endif
 
 #include "core/clock.h"
 
@@ -125,6 +128,10 @@ CompileResult CompileQueue::run_as_holder(Lock& lock, const std::shared_ptr<Flig
     // The holder was interrupted, not the work's outcome: a waiter runs it instead.
     error = std::current_exception();
     interrupted = true;
+#if defined(__GLIBCXX__)
+  } catch (abi::__forced_unwind&) {
+    throw;  // the thread is being ended (pthread_exit): never swallowed
+#endif
   } catch (...) {
     error = std::current_exception();
   }
