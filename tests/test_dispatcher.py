@@ -218,6 +218,18 @@ def test_shutdown_cancel_futures_resolves_everything():
     assert "cancelled" in outcomes and outcomes <= {"cancelled", "ran"}
 
 
+@pytest.mark.parametrize("wait", ["result", "exception", "wait_all"])
+def test_an_infinite_timeout_waits_as_none_does(dispatcher, wait):
+    future = dispatcher.submit(time.sleep, 0.2)
+    waits = {
+        "result": lambda: future.result(timeout=float("inf")),
+        "exception": lambda: future.exception(timeout=float("inf")),
+        "wait_all": lambda: pydflash.wait_all([future], timeout=float("inf")),
+    }
+    waits[wait]()
+    assert future.done()
+
+
 def test_shutdown_without_wait_returns_at_once():
     d = pydflash.Dispatcher(["cpu"], guard_triton=False)
     gate = threading.Event()

@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import pickle
+import threading
 
 import pytest
 
@@ -87,6 +88,34 @@ def test_submit_after_shutdown_is_a_runtime_error_in_the_stdlibs_words(lanes):
 def test_negative_spin_is_a_value_error():
     with pytest.raises(ValueError, match="spin_us >= 0"):
         pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=-1)
+
+
+TOO_LONG = "expected a timeout of at most threading.TIMEOUT_MAX (9223372036 s), or None or "
+TOO_LONG += "float('inf') to wait forever, got "
+
+
+@pytest.mark.parametrize(
+    ("timeout", "got"),
+    [(1e10, "10000000000.0"), (10**10, "10000000000"), (10**400, None)],
+    ids=["1e10", "10**10", "10**400"],
+)
+def test_timeout_past_timeout_max_is_an_overflow_error(timeout, got):
+    # As threading's own waits refuse it, rather than a deadline in the past.
+    said = TOO_LONG + (got or "an int too large to convert to float")
+    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+        gate = threading.Event()
+        future = d.submit(gate.wait)
+        waits = {
+            "result": lambda: future.result(timeout),
+            "exception": lambda: future.exception(timeout),
+            "wait_all": lambda: pydflash.wait_all([future], timeout),
+            "join": lambda: d.lanes[0]._native.join(timeout),
+        }
+        for name, wait in waits.items():
+            with pytest.raises(OverflowError) as raised:
+                wait()
+            assert str(raised.value) == said, name
+        gate.set()
 
 
 def test_graph_on_a_cpu_lane_is_a_value_error():

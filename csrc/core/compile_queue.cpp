@@ -85,8 +85,7 @@ CompileResult CompileQueue::run(const std::string& key, const std::function<Comp
   const int64_t start = now_ns();
   Lock lock(mutex_);
   const double timeout = options.timeout_s >= 0 ? options.timeout_s : default_timeout_s_;
-  const int64_t deadline =
-      timeout < 0 ? INT64_MAX : start + static_cast<int64_t>(std::min(timeout, 1e9) * 1e9);
+  const int64_t deadline = timeout < 0 ? INT64_MAX : deadline_after(start, timeout);
   Call call{key, work, options, interrupted, start, deadline};
   auto it = flights_.find(key);
   if (it == flights_.end()) {

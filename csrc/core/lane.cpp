@@ -166,10 +166,12 @@ bool Lane::join(double timeout_s) {
   std::unique_lock<std::mutex> lock(exit_mutex_);
   PYDFLASH_CHECK_STATE(thread_->get_id() != std::this_thread::get_id(),
                        "a task cannot wait for its own lane to shut down (lane ", index_, ")");
-  if (timeout_s < 0) {
+  const int64_t deadline = timeout_s < 0 ? INT64_MAX : deadline_after(now_ns(), timeout_s);
+  if (deadline == INT64_MAX) {
     exit_cv_.wait(lock, [&] { return exited_; });
-  } else if (!exit_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
-                                [&] { return exited_; })) {
+  } else if (!exit_cv_.wait_until(
+                 lock, std::chrono::steady_clock::time_point(std::chrono::nanoseconds(deadline)),
+                 [&] { return exited_; })) {
     return false;
   }
   if (thread_->joinable()) thread_->join();  // the worker has left exit_mutex_ for good

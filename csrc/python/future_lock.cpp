@@ -75,8 +75,7 @@ bool try_take(FutureLock* l, unsigned long me) {
 
 // Blocks until taken, the deadline passes (0) or a signal handler raises (-1).
 int take_contended(FutureLock* l, unsigned long me, double timeout_s) {
-  const int64_t deadline =
-      timeout_s < 0 ? INT64_MAX : now_ns() + static_cast<int64_t>(timeout_s * 1e9);
+  const int64_t deadline = timeout_s < 0 ? INT64_MAX : deadline_after(now_ns(), timeout_s);
   l->sleepers.fetch_add(1, std::memory_order_seq_cst);
   int outcome = 0;
   for (;;) {
