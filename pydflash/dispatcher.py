@@ -14,7 +14,7 @@ from . import _exit, guards
 from ._future import Future
 from ._native import C
 from .devices import parse_device, parse_devices
-from .lane import DEFAULT_SPIN_US, Lane
+from .lane import DEFAULT_SPIN_US, Lane, check_spin_us
 
 _numbers = itertools.count(1)  # dispatchers made in this process, as exit messages name them
 
@@ -54,6 +54,7 @@ class Dispatcher(concurrent.futures.Executor):
                 "Dispatcher(devices=[0, 1])"
             )
         parsed = parse_devices(devices)
+        spin_us = check_spin_us(spin_us)
         names = guards.select(guard)
         if not guard_triton:
             if guard is not None and names:

@@ -218,6 +218,14 @@ def test_shutdown_cancel_futures_resolves_everything():
     assert "cancelled" in outcomes and outcomes <= {"cancelled", "ran"}
 
 
+def test_shutdown_does_not_wait_out_the_poll_window():
+    d = pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=pydflash._C.MAX_SPIN_US)
+    assert d.submit(int, 1).result() == 1  # the worker now polls for a second
+    start = time.perf_counter()
+    d.shutdown(wait=True)
+    assert time.perf_counter() - start < 0.5
+
+
 @pytest.mark.parametrize("wait", ["result", "exception", "wait_all"])
 def test_an_infinite_timeout_waits_as_none_does(dispatcher, wait):
     future = dispatcher.submit(time.sleep, 0.2)

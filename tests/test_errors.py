@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import pickle
+import re
 import threading
 
 import pytest
@@ -85,9 +86,19 @@ def test_submit_after_shutdown_is_a_runtime_error_in_the_stdlibs_words(lanes):
         assert str(ours.value) == f"{stdlib.value} of {executor!r}"
 
 
-def test_negative_spin_is_a_value_error():
-    with pytest.raises(ValueError, match="spin_us >= 0"):
-        pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=-1)
+@pytest.mark.parametrize("spin_us", [-1, 1e30, float("inf"), float("nan"), 1_000_001])
+def test_spin_out_of_range_is_a_value_error(spin_us):
+    # Up to a second (C.MAX_SPIN_US): a longer window would overflow, and a shutdown
+    # must not wait it out.
+    expected = r"expected spin_us in \[0, 1e\+06\] \(microseconds\), got "
+    with pytest.raises(ValueError, match=expected + re.escape(repr(spin_us))):
+        pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=spin_us)
+
+
+@pytest.mark.parametrize("spin_us", ["x", None, True])
+def test_spin_of_the_wrong_type_is_a_type_error(spin_us):
+    with pytest.raises(TypeError, match=r"^expected spin_us in microseconds, got "):
+        pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=spin_us)
 
 
 TOO_LONG = "expected a timeout of at most threading.TIMEOUT_MAX (9223372036 s), or None or "

@@ -52,6 +52,12 @@ int64_t next_spin_ns(int64_t now_spin, int64_t base, bool slept, int64_t idle_ns
 
 }  // namespace
 
+int64_t spin_ns_from_us(double spin_us) {
+  PYDFLASH_CHECK_VALUE(spin_us >= 0 && spin_us <= kMaxSpinUs, "expected spin_us in [0, ",
+                       kMaxSpinUs, "] (microseconds), got ", spin_us);
+  return static_cast<int64_t>(spin_us * 1000);
+}
+
 Lane::Lane(int index, int device, std::shared_ptr<Interpreter> interpreter, LaneOptions options)
     : index_(index),
       device_(device),

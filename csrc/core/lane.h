@@ -59,6 +59,11 @@ struct LaneOptions {
   int stream_priority = 0;
 };
 
+/// The longest poll window a lane may be given (Note [Adaptive polling]): a second.
+static constexpr double kMaxSpinUs = 1'000'000.0;
+/// spin_us as LaneOptions::spin_ns. Throws ValueError outside [0, kMaxSpinUs] (NaN too).
+int64_t spin_ns_from_us(double spin_us);
+
 struct LaneStats {
   uint64_t submitted = 0;
   uint64_t completed = 0;

@@ -51,13 +51,13 @@ class TaskQueue {
   }
 
   /// Blocks until an item arrives or `stop()` says the consumer may leave; polls for
-  /// spin_ns first. Returns false when it left without an item. `slept`, if given,
-  /// says whether the poll ran out.
+  /// spin_ns first, or not at all once the queue is closed. Returns false when it left
+  /// without an item. `slept`, if given, says whether the poll ran out.
   template <typename StopFn>
   bool pop_wait(T& out, int64_t spin_ns, StopFn stop, bool* slept = nullptr) {
     if (slept != nullptr) *slept = false;
     const int64_t spin_until = now_ns() + spin_ns;
-    while (now_ns() < spin_until) {
+    while (now_ns() < spin_until && !closed_.load(std::memory_order_relaxed)) {
       if (try_pop(out)) return true;
       std::this_thread::yield();
     }

@@ -210,6 +210,7 @@ void init_lane(py::module_& m) {
   add_submitter_type(m.ptr());
 
   m.def("stdlib_waiters_native", &stdlib_waiters_native);
+  m.attr("MAX_SPIN_US") = kMaxSpinUs;
   m.def("torch_state_reader", [] {
     const char* reader = torch_state_reader();
     return reader ? py::object(py::str(reader)) : py::object(py::none());
@@ -218,9 +219,8 @@ void init_lane(py::module_& m) {
   py::class_<PyLane>(m, "Lane")
       .def(py::init([](int index, int device, std::string label, py::object future_type,
                        double spin_us) {
-             PYDFLASH_CHECK_VALUE(spin_us >= 0, "expected spin_us >= 0, got ", spin_us);
              LaneOptions options;
-             options.spin_ns = static_cast<int64_t>(spin_us * 1000);
+             options.spin_ns = spin_ns_from_us(spin_us);
              auto rt = std::make_shared<LaneRuntime>(std::move(label), std::move(future_type));
              auto lane = std::make_shared<Lane>(index, device, rt, options);
              lane->start();
