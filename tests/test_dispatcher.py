@@ -218,6 +218,17 @@ def test_shutdown_cancel_futures_resolves_everything():
     assert "cancelled" in outcomes and outcomes <= {"cancelled", "ran"}
 
 
+def test_cancelling_shutdown_right_after_submit_runs_what_idle_workers_took():
+    # Note [Taken is running]: an idle lane's worker, woken by the first submit, takes
+    # that task; a ThreadPoolExecutor's idle threads take the first tasks likewise.
+    d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
+    time.sleep(0.05)  # both workers idle, asleep
+    futures = [d.submit(time.sleep, 0.05) for _ in range(10)]  # alternate lanes
+    d.shutdown(wait=True, cancel_futures=True)
+    assert [f.cancelled() for f in futures] == [False] * 2 + [True] * 8
+    assert [f.result() for f in futures[:2]] == [None, None]
+
+
 def test_shutdown_does_not_wait_out_the_poll_window():
     d = pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=pydflash._C.MAX_SPIN_US)
     assert d.submit(int, 1).result() == 1  # the worker now polls for a second

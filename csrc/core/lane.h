@@ -123,7 +123,8 @@ class Lane : public std::enable_shared_from_this<Lane> {
   void when_passed(void* event, DeviceWatcher::Completion done);
 
   /// Closes the queue. With cancel, returns the queued tasks with their futures
-  /// cancelled; the caller notifies observers and destroys them (it may hold the GIL).
+  /// cancelled, all but the one an idle worker was woken for (Note [Taken is running]);
+  /// the caller notifies observers and destroys them (it may hold the GIL).
   /// A task whose future was cancelled before comes back without it: its canceller
   /// has notified it, so it is only destroyed.
   std::vector<Task> shutdown(bool cancel);
