@@ -27,6 +27,14 @@ def check_spin_us(spin_us: Any) -> float:
     return float(spin_us)
 
 
+def check_cancel_futures(cancel_futures: Any) -> bool:
+    if not isinstance(cancel_futures, bool):
+        raise TypeError(
+            f"expected cancel_futures=True or False, got {type(cancel_futures).__name__}"
+        )
+    return cancel_futures
+
+
 class Lane(concurrent.futures.Executor):
     """Runs tasks in order on its own native thread. On a GPU lane the lane's device is
     current and its own CUDA stream is torch's current stream inside every task, and
@@ -115,7 +123,7 @@ class Lane(concurrent.futures.Executor):
         return self._native.submit_graph(handle, keepalive, self)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self._native.shutdown(cancel_futures)
+        self._native.shutdown(check_cancel_futures(cancel_futures))
         if wait:
             self._native.join(None)
 

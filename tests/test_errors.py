@@ -101,6 +101,44 @@ def test_spin_of_the_wrong_type_is_a_type_error(spin_us):
         pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=spin_us)
 
 
+def test_cancel_futures_of_the_wrong_type_is_a_type_error():
+    d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    for executor in (d, d.lanes[0]):
+        with pytest.raises(TypeError, match=r"^expected cancel_futures=True or False, got str$"):
+            executor.shutdown(cancel_futures="yes")
+    d.shutdown()
+
+
+def test_devices_as_bytes_is_a_type_error():
+    with pytest.raises(TypeError, match=r"^expected a device or a list of devices .*got bytes$"):
+        pydflash.Dispatcher(b"cpu", guard_triton=False)
+
+
+def test_lane_index_of_the_wrong_type_is_a_type_error():
+    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+        with pytest.raises(TypeError, match=r"^expected a lane index as an int, got str$"):
+            d.on("cpu", "0")
+        assert d.on("cpu", 0) is d.lanes[0]
+
+
+def test_trace_to_a_file_descriptor_is_a_type_error(tmp_path):
+    # open() would write to the descriptor and close it.
+    with pydflash.Dispatcher(["cpu"], guard_triton=False, trace=True) as d:
+        d.submit(int).result()
+        expected = r"^expected a file path \(str or os.PathLike\), got int$"
+        with pytest.raises(TypeError, match=expected):
+            d.export_trace(42)
+        assert d.export_trace(tmp_path / "trace.json")["traceEvents"]  # the spans are kept
+
+
+def test_forwarding_what_is_not_an_exception_is_a_type_error():
+    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+        future = d.submit(int, 3)
+        with pytest.raises(TypeError, match=r"^expected an exception, got str$"):
+            future.forward_failure("str")
+        assert future.result() == 3
+
+
 TOO_LONG = "expected a timeout of at most threading.TIMEOUT_MAX (9223372036 s), or None or "
 TOO_LONG += "float('inf') to wait forever, got "
 
