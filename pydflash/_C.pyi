@@ -5,6 +5,7 @@ from typing import Any
 
 __version__: str
 BUILD: dict[str, Any]
+MAX_SPIN_US: float
 
 class FutureBase:
     """Native half of pydflash.Future."""

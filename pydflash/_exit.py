@@ -25,22 +25,23 @@ _POLL_S = 0.05  # how often the wait looks for progress; Ctrl-C is seen this soo
 
 # Every lane whose worker may still run, also once its dispatcher is gone: a dropped
 # dispatcher's queue still runs. A lane is forgotten once its worker has exited.
-_lanes: set[Lane] = set()
+_lanes: dict[Lane, None] = {}  # in the order they were made
 
 
 def track(lanes: Iterable[Lane]) -> None:
     for lane in list(_lanes):
         if lane._native.exited or lane._native.forked:
-            _lanes.discard(lane)
-    _lanes.update(lanes)
+            del _lanes[lane]
+    _lanes.update(dict.fromkeys(lanes))
 
 
 class _Progress:
     """A closed lane finishing its queue; stuck once no task of it has ended for
     EXIT_TIMEOUT_S."""
 
-    def __init__(self, lane: Lane) -> None:
+    def __init__(self, lane: Lane, name: str) -> None:
         self.lane = lane
+        self.name = name
         self.left = lane._native.load()
         self.since = time.monotonic()
         self.abandoned = False
@@ -64,7 +65,7 @@ class _Progress:
         running = self.lane._native.load()  # what is left once the queue is cancelled
         if running or cancelled:
             _say(
-                f"exit stopped waiting for {self.lane.label} ({why}): "
+                f"exit stopped waiting for {self.name} ({why}): "
                 f"{_tasks(running)} left running, {_tasks(cancelled, 'queued')} cancelled"
             )
 
@@ -84,11 +85,19 @@ def _after_ctrl_c() -> bool:
     return isinstance(last, KeyboardInterrupt)
 
 
-def _say_waiting(lanes: list[Lane]) -> None:
-    stats = [lane._native.stats() for lane in lanes]
+def _names(lanes: list[Lane]) -> list[str]:
+    """Each lane as exit messages name it: its label, and its dispatcher when the lanes
+    belong to more than one."""
+    if len({lane.owner for lane in lanes}) <= 1:
+        return [lane.label for lane in lanes]
+    return [f"{lane.label} of {lane.owner or 'a lane made alone'}" for lane in lanes]
+
+
+def _say_waiting(busy: list[_Progress]) -> None:
+    stats = [p.lane._native.stats() for p in busy]
     running = sum(s["running"] + s["on_device"] for s in stats)
     queued = sum(s["queued"] for s in stats)
-    labels = ", ".join(lane.label for lane in lanes)
+    labels = ", ".join(p.name for p in busy)
     _say(
         f"exit waits for {labels} to finish {running} running and {_tasks(queued, 'queued')}; "
         f"press Ctrl-C again to stop waiting (a task running longer than "
@@ -97,13 +106,14 @@ def _say_waiting(lanes: list[Lane]) -> None:
 
 
 def _finish_at_exit() -> None:
-    busy = [_Progress(lane) for lane in list(_lanes) if not lane._native.forked]
+    lanes = [lane for lane in list(_lanes) if not (lane._native.forked or lane._native.exited)]
+    busy = [_Progress(lane, name) for lane, name in zip(lanes, _names(lanes), strict=True)]
     try:
         for progress in busy:
             progress.lane._native.shutdown(False)  # no new work; what is queued runs
         busy = [p for p in busy if not p.done]
         if busy and _after_ctrl_c():
-            _say_waiting([p.lane for p in busy])
+            _say_waiting(busy)
         while busy:
             busy[0].lane._native.join(_POLL_S)
             for p in busy:

@@ -98,6 +98,8 @@ class Future(C.FutureBase, concurrent.futures.Future):
         whatever the task itself does: a graph launch fails with the error of its copy-in
         (pydflash.graphs). Call it before the task finishes or before handing the future
         out; result(), exception() and concurrent.futures.wait then report `failure`."""
+        if not isinstance(failure, BaseException):
+            raise TypeError(f"expected an exception, got {type(failure).__name__}")
         self._exception = failure
 
     # --- CUDA ---------------------------------------------------------------------------
@@ -115,9 +117,9 @@ class Future(C.FutureBase, concurrent.futures.Future):
         return result
 
     def __repr__(self) -> str:
-        # concurrent.futures.Future's form, under this class's name.
+        # concurrent.futures.Future's form, which its tests and tools read.
         status = self._status
-        head = f"<pydflash.Future at {id(self):#x} state={_STATE_NAMES[status]}"
+        head = f"<Future at {id(self):#x} state={_STATE_NAMES[status]}"
         if status != _FINISHED:
             return head + ">"
         failure = self._failure()

@@ -55,6 +55,11 @@ def parse_devices(devices: Iterable[Any] | None) -> list[int]:
     count = visible_gpus()
     if devices is None:
         return list(range(count)) if count else [CPU]
+    if isinstance(devices, (bytes, bytearray, memoryview)):  # would iterate as ints
+        raise TypeError(
+            "expected a device or a list of devices (ints, 'cuda:N', 'cpu' or "
+            f"torch.device), got {type(devices).__name__}"
+        )
     if isinstance(devices, (str, int)) or type(devices).__name__ == "device":
         devices = [devices]
     parsed = [parse_device(d, count) for d in devices]

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
+import operator
 import os
+import sys
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -12,7 +15,9 @@ from . import _exit, guards
 from ._future import Future
 from ._native import C
 from .devices import parse_device, parse_devices
-from .lane import DEFAULT_SPIN_US, Lane
+from .lane import DEFAULT_SPIN_US, Lane, check_cancel_futures, check_spin_us
+
+_numbers = itertools.count(1)  # dispatchers made in this process, as exit messages name them
 
 
 class Dispatcher(concurrent.futures.Executor):
@@ -50,6 +55,7 @@ class Dispatcher(concurrent.futures.Executor):
                 "Dispatcher(devices=[0, 1])"
             )
         parsed = parse_devices(devices)
+        spin_us = check_spin_us(spin_us)
         names = guards.select(guard)
         if not guard_triton:
             if guard is not None and names:
@@ -60,6 +66,13 @@ class Dispatcher(concurrent.futures.Executor):
         # Before any lane exists: an unsupported Triton raises with nothing to clean up.
         self._guard = guards.guard(names, missing_ok=True) if names else None
         self._lanes = [Lane(i, d, spin_us=spin_us) for i, d in enumerate(parsed)]
+        caller = sys._getframe(1)
+        self.name = (
+            f"dispatcher {next(_numbers)} (made at "
+            f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})"
+        )
+        for lane in self._lanes:
+            lane.owner = self.name
         if trace:
             self.set_tracing(True)
         # The hot path: a native callable picks the least-busy lane
@@ -77,6 +90,11 @@ class Dispatcher(concurrent.futures.Executor):
     def on(self, device: Any, index: int = 0) -> Lane:
         """The `index`-th lane on `device` (an ordinal, 'cuda:N', torch.device or 'cpu')."""
         wanted = parse_device(device)
+        try:
+            index = operator.index(index)
+        except TypeError:
+            got = type(index).__name__
+            raise TypeError(f"expected a lane index as an int, got {got}") from None
         matching = [lane for lane in self._lanes if lane._native.device == wanted]
         if not matching:
             have = sorted({lane.device for lane in self._lanes})
@@ -140,7 +158,7 @@ class Dispatcher(concurrent.futures.Executor):
         (and give back this dispatcher's hold on its guards); without it, queued work
         still runs before the interpreter exits. cancel_futures: cancel what is still
         queued."""
-        _shutdown_lanes(self._lanes, wait, cancel_futures)
+        _shutdown_lanes(self._lanes, wait, check_cancel_futures(cancel_futures))
         if wait and self._guard is not None:
             # Lanes still running (wait=False) may still launch Triton kernels: keep it.
             self._guard.uninstall()
@@ -159,7 +177,8 @@ class Dispatcher(concurrent.futures.Executor):
             lane._native.set_tracing(on)
 
     def export_trace(self, path: str | os.PathLike[str]) -> dict[str, Any]:
-        """Writes a Chrome/Perfetto trace JSON of the spans recorded so far and returns it."""
+        """Writes a Chrome/Perfetto trace JSON of the spans recorded so far to the file at
+        `path` (a str or os.PathLike; an int file descriptor is refused) and returns it."""
         from .trace import export
 
         return export(self._lanes, path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,26 @@ from .graph_exec import graph_exec_handle
 DEFAULT_SPIN_US = 50.0
 
 
+def check_spin_us(spin_us: Any) -> float:
+    """spin_us as a float: a TypeError for what is not a number, a ValueError outside
+    [0, C.MAX_SPIN_US] (a second)."""
+    if isinstance(spin_us, bool) or not isinstance(spin_us, numbers.Real):
+        raise TypeError(f"expected spin_us in microseconds, got {type(spin_us).__name__}")
+    if not 0 <= spin_us <= C.MAX_SPIN_US:  # NaN fails this too
+        raise ValueError(
+            f"expected spin_us in [0, {C.MAX_SPIN_US:g}] (microseconds), got {spin_us!r}"
+        )
+    return float(spin_us)
+
+
+def check_cancel_futures(cancel_futures: Any) -> bool:
+    if not isinstance(cancel_futures, bool):
+        raise TypeError(
+            f"expected cancel_futures=True or False, got {type(cancel_futures).__name__}"
+        )
+    return cancel_futures
+
+
 class Lane(concurrent.futures.Executor):
     """Runs tasks in order on its own native thread. On a GPU lane the lane's device is
     current and its own CUDA stream is torch's current stream inside every task, and
@@ -22,7 +43,11 @@ class Lane(concurrent.futures.Executor):
     Lanes are made by `Dispatcher`; `dispatcher.on(device)` returns one."""
 
     def __init__(self, index: int, device: int, *, spin_us: float = DEFAULT_SPIN_US) -> None:
+        spin_us = check_spin_us(spin_us)
         self._native = C.Lane(index, device, f"lane {index} ({describe(device)})", Future, spin_us)
+        # Which dispatcher the lane is part of, as exit messages name it when several
+        # dispatchers have lanes (set by Dispatcher).
+        self.owner = ""
         self._torch_streams: tuple[Any, Any] | None = None
         # The hot path: a native callable, no Python frame (csrc/python/bind_lane.cpp).
         # Built once; it shadows the method below.
@@ -98,7 +123,7 @@ class Lane(concurrent.futures.Executor):
         return self._native.submit_graph(handle, keepalive, self)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self._native.shutdown(cancel_futures)
+        self._native.shutdown(check_cancel_futures(cancel_futures))
         if wait:
             self._native.join(None)
 

@@ -57,11 +57,19 @@ def collect(lanes: Iterable[Lane]) -> list[dict[str, Any]]:
 
 def export(lanes: Iterable[Lane], path: str | os.PathLike[str], extra: Iterable[dict] = ()) -> dict:
     """Writes the lanes' spans, then `extra` events, as a trace JSON and returns it."""
+    _check_path(path)  # before the spans are taken
     return write(collect(lanes) + list(extra), path)
+
+
+def _check_path(path: Any) -> None:
+    # open() would take an int as a file descriptor, write to it and close it.
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"expected a file path (str or os.PathLike), got {type(path).__name__}")
 
 
 def write(events: Iterable[dict], path: str | os.PathLike[str]) -> dict:
     """Writes `events` as a Chrome/Perfetto trace JSON file and returns the trace."""
+    _check_path(path)
     trace = {"traceEvents": list(events), "displayTimeUnit": "ms"}
     with open(path, "w") as f:
         json.dump(trace, f)

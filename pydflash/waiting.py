@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures
+import math
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -34,6 +36,18 @@ def wait_all(
             )
     if timeout is not None and not isinstance(timeout, (int, float)):
         raise TypeError(f"expected a timeout in seconds or None, got {type(timeout).__name__}")
+    if timeout == math.inf:  # waits forever, as None does (Note [One timeout rule])
+        timeout = None
+    elif timeout is not None and timeout > threading.TIMEOUT_MAX:
+        try:
+            got = repr(float(timeout) and timeout)
+        except OverflowError:  # its digits would fill the screen
+            got = "an int too large to convert to float"
+        raise OverflowError(
+            "expected a timeout of at most threading.TIMEOUT_MAX "
+            f"({threading.TIMEOUT_MAX:.0f} s), or None or float('inf') to wait forever, "
+            f"got {got}"
+        )
 
     deadline = None if timeout is None else time.monotonic() + (timeout if timeout > 0 else 0.0)
     for future in futures:

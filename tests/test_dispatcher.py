@@ -218,6 +218,37 @@ def test_shutdown_cancel_futures_resolves_everything():
     assert "cancelled" in outcomes and outcomes <= {"cancelled", "ran"}
 
 
+def test_cancelling_shutdown_right_after_submit_runs_what_idle_workers_took():
+    # Note [Taken is running]: an idle lane's worker, woken by the first submit, takes
+    # that task; a ThreadPoolExecutor's idle threads take the first tasks likewise.
+    d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
+    time.sleep(0.05)  # both workers idle, asleep
+    futures = [d.submit(time.sleep, 0.05) for _ in range(10)]  # alternate lanes
+    d.shutdown(wait=True, cancel_futures=True)
+    assert [f.cancelled() for f in futures] == [False] * 2 + [True] * 8
+    assert [f.result() for f in futures[:2]] == [None, None]
+
+
+def test_shutdown_does_not_wait_out_the_poll_window():
+    d = pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=pydflash._C.MAX_SPIN_US)
+    assert d.submit(int, 1).result() == 1  # the worker now polls for a second
+    start = time.perf_counter()
+    d.shutdown(wait=True)
+    assert time.perf_counter() - start < 0.5
+
+
+@pytest.mark.parametrize("wait", ["result", "exception", "wait_all"])
+def test_an_infinite_timeout_waits_as_none_does(dispatcher, wait):
+    future = dispatcher.submit(time.sleep, 0.2)
+    waits = {
+        "result": lambda: future.result(timeout=float("inf")),
+        "exception": lambda: future.exception(timeout=float("inf")),
+        "wait_all": lambda: pydflash.wait_all([future], timeout=float("inf")),
+    }
+    waits[wait]()
+    assert future.done()
+
+
 def test_shutdown_without_wait_returns_at_once():
     d = pydflash.Dispatcher(["cpu"], guard_triton=False)
     gate = threading.Event()

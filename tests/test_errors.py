@@ -2,6 +2,8 @@
 
 import concurrent.futures
 import pickle
+import re
+import threading
 
 import pytest
 
@@ -84,9 +86,85 @@ def test_submit_after_shutdown_is_a_runtime_error_in_the_stdlibs_words(lanes):
         assert str(ours.value) == f"{stdlib.value} of {executor!r}"
 
 
-def test_negative_spin_is_a_value_error():
-    with pytest.raises(ValueError, match="spin_us >= 0"):
-        pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=-1)
+@pytest.mark.parametrize("spin_us", [-1, 1e30, float("inf"), float("nan"), 1_000_001])
+def test_spin_out_of_range_is_a_value_error(spin_us):
+    # Up to a second (C.MAX_SPIN_US): a longer window would overflow, and a shutdown
+    # must not wait it out.
+    expected = r"expected spin_us in \[0, 1e\+06\] \(microseconds\), got "
+    with pytest.raises(ValueError, match=expected + re.escape(repr(spin_us))):
+        pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=spin_us)
+
+
+@pytest.mark.parametrize("spin_us", ["x", None, True])
+def test_spin_of_the_wrong_type_is_a_type_error(spin_us):
+    with pytest.raises(TypeError, match=r"^expected spin_us in microseconds, got "):
+        pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=spin_us)
+
+
+def test_cancel_futures_of_the_wrong_type_is_a_type_error():
+    d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    for executor in (d, d.lanes[0]):
+        with pytest.raises(TypeError, match=r"^expected cancel_futures=True or False, got str$"):
+            executor.shutdown(cancel_futures="yes")
+    d.shutdown()
+
+
+def test_devices_as_bytes_is_a_type_error():
+    with pytest.raises(TypeError, match=r"^expected a device or a list of devices .*got bytes$"):
+        pydflash.Dispatcher(b"cpu", guard_triton=False)
+
+
+def test_lane_index_of_the_wrong_type_is_a_type_error():
+    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+        with pytest.raises(TypeError, match=r"^expected a lane index as an int, got str$"):
+            d.on("cpu", "0")
+        assert d.on("cpu", 0) is d.lanes[0]
+
+
+def test_trace_to_a_file_descriptor_is_a_type_error(tmp_path):
+    # open() would write to the descriptor and close it.
+    with pydflash.Dispatcher(["cpu"], guard_triton=False, trace=True) as d:
+        d.submit(int).result()
+        expected = r"^expected a file path \(str or os.PathLike\), got int$"
+        with pytest.raises(TypeError, match=expected):
+            d.export_trace(42)
+        assert d.export_trace(tmp_path / "trace.json")["traceEvents"]  # the spans are kept
+
+
+def test_forwarding_what_is_not_an_exception_is_a_type_error():
+    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+        future = d.submit(int, 3)
+        with pytest.raises(TypeError, match=r"^expected an exception, got str$"):
+            future.forward_failure("str")
+        assert future.result() == 3
+
+
+TOO_LONG = "expected a timeout of at most threading.TIMEOUT_MAX (9223372036 s), or None or "
+TOO_LONG += "float('inf') to wait forever, got "
+
+
+@pytest.mark.parametrize(
+    ("timeout", "got"),
+    [(1e10, "10000000000.0"), (10**10, "10000000000"), (10**400, None)],
+    ids=["1e10", "10**10", "10**400"],
+)
+def test_timeout_past_timeout_max_is_an_overflow_error(timeout, got):
+    # As threading's own waits refuse it, rather than a deadline in the past.
+    said = TOO_LONG + (got or "an int too large to convert to float")
+    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+        gate = threading.Event()
+        future = d.submit(gate.wait)
+        waits = {
+            "result": lambda: future.result(timeout),
+            "exception": lambda: future.exception(timeout),
+            "wait_all": lambda: pydflash.wait_all([future], timeout),
+            "join": lambda: d.lanes[0]._native.join(timeout),
+        }
+        for name, wait in waits.items():
+            with pytest.raises(OverflowError) as raised:
+                wait()
+            assert str(raised.value) == said, name
+        gate.set()
 
 
 def test_graph_on_a_cpu_lane_is_a_value_error():

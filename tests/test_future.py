@@ -171,7 +171,7 @@ def test_repr_has_the_stdlib_form(executor) -> None:
     assert shape(returned) == "<Future at state=finished returned int>"
     assert shape(raised) == "<Future at state=finished raised ValueError>"
     if isinstance(executor, pydflash.Dispatcher):
-        assert repr(returned).startswith("<pydflash.Future at ")
+        assert repr(returned).startswith("<Future at ")
 
 
 # --- how the worker tells the stdlib's waiters ---------------------------------------------

@@ -80,6 +80,39 @@ def test_exit_with_a_task_that_never_returns(run_child_script, stuck, queued):
         assert time.perf_counter() - start < 20
 
 
+# How often each exit scenario below runs; PYDFLASH_EXIT_REPEATS=20 for a longer record.
+EXIT_REPEATS = int(os.environ.get("PYDFLASH_EXIT_REPEATS", "5"))
+
+
+@pytest.mark.parametrize("waits_for", ["own-lane", "other-dispatcher"])
+def test_exit_gives_up_on_a_task_waiting_in_result(run_child_script, waits_for):
+    # The task waits in result() without the GIL. Once exit gives up on its lane, the
+    # interpreter finalizes; the waiting thread must not ask for the GIL again then
+    # (CPython would end it by unwinding C++ frames: std::terminate, SIGABRT).
+    # Note [Never retaking the GIL at exit].
+    def lane(number: int, line: int) -> str:
+        return f"lane 0 (cpu) of dispatcher {number} (made at exit_while_a_task_waits.py:{line})"
+
+    timed_out = "a task ran past PYDFLASH_EXIT_TIMEOUT=0.5 s"
+    if waits_for == "own-lane":
+        said = [f"lane 0 (cpu) ({timed_out}): 1 task left running, 1 queued task cancelled"]
+    else:  # both dispatchers' lanes are left, each named with its dispatcher
+        said = [
+            f"{lane(n, line)} ({timed_out}): 1 task left running, 0 queued tasks cancelled"
+            for n, line in ((1, 23), (2, 34))
+        ]
+    for _ in range(EXIT_REPEATS):
+        done = run_child_script(
+            "exit_while_a_task_waits.py",
+            waits_for,
+            timeout=SUBPROCESS_TIMEOUT_S,
+            env={"PYDFLASH_EXIT_TIMEOUT": "0.5"},
+        )
+        assert done.returncode == 0, f"rc={done.returncode}\n{done.stderr[-5000:]}"
+        assert done.stdout == "exiting\n"
+        assert done.stderr == "".join(f"pydflash: exit stopped waiting for {s}\n" for s in said)
+
+
 def test_ctrl_c_at_exit_says_what_it_waits_for_and_a_second_ends_it(start_child_script):
     child = start_child_script("ctrl_c_at_exit.py")
     assert child.stdout.readline() == "started\n"

@@ -205,7 +205,8 @@ class Model:
         for i in lanes:
             self.closed[i] = True
         if cancel_futures:
-            # Only what a worker already holds can still be pending: at most one per lane.
+            # Only what a worker holds, or the first task of an idle lane, which its worker
+            # takes next (Note [Taken is running]), can still be pending: one per lane.
             for i in lanes:
                 on_lane = [t for t in self.tasks if t.future.lane is self.lanes[i]]
                 pending = [t for t in on_lane if not t.future.done()]

@@ -4,6 +4,9 @@
 #include <chrono>
 #include <climits>
 #include <cstdio>
+#if defined(__GLIBCXX__)
+#include <cxxabi.h>
+#endif
 
 #include "core/clock.h"
 
@@ -82,8 +85,7 @@ CompileResult CompileQueue::run(const std::string& key, const std::function<Comp
   const int64_t start = now_ns();
   Lock lock(mutex_);
   const double timeout = options.timeout_s >= 0 ? options.timeout_s : default_timeout_s_;
-  const int64_t deadline =
-      timeout < 0 ? INT64_MAX : start + static_cast<int64_t>(std::min(timeout, 1e9) * 1e9);
+  const int64_t deadline = timeout < 0 ? INT64_MAX : deadline_after(start, timeout);
   Call call{key, work, options, interrupted, start, deadline};
   auto it = flights_.find(key);
   if (it == flights_.end()) {
@@ -125,6 +127,10 @@ CompileResult CompileQueue::run_as_holder(Lock& lock, const std::shared_ptr<Flig
     // The holder was interrupted, not the work's outcome: a waiter runs it instead.
     error = std::current_exception();
     interrupted = true;
+#if defined(__GLIBCXX__)
+  } catch (abi::__forced_unwind&) {
+    throw;  // the thread is being ended (pthread_exit): never swallowed
+#endif
   } catch (...) {
     error = std::current_exception();
   }

@@ -82,7 +82,7 @@ bool FutureState::wait(double timeout_s, int64_t spin_ns, int64_t slice_ns,
   if (done()) return true;
   const int64_t start = now_ns();
   const bool forever = timeout_s < 0;
-  const int64_t deadline = forever ? INT64_MAX : start + static_cast<int64_t>(timeout_s * 1e9);
+  const int64_t deadline = forever ? INT64_MAX : deadline_after(start, timeout_s);
   const int64_t spin_until = std::min(deadline, start + spin_ns);
   bool got = false;
   while (!got && now_ns() < spin_until) {

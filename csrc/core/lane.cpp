@@ -52,6 +52,12 @@ int64_t next_spin_ns(int64_t now_spin, int64_t base, bool slept, int64_t idle_ns
 
 }  // namespace
 
+int64_t spin_ns_from_us(double spin_us) {
+  PYDFLASH_CHECK_VALUE(spin_us >= 0 && spin_us <= kMaxSpinUs, "expected spin_us in [0, ",
+                       kMaxSpinUs, "] (microseconds), got ", spin_us);
+  return static_cast<int64_t>(spin_us * 1000);
+}
+
 Lane::Lane(int index, int device, std::shared_ptr<Interpreter> interpreter, LaneOptions options)
     : index_(index),
       device_(device),
@@ -141,7 +147,8 @@ void Lane::device_work_finished() {
 std::vector<Task> Lane::shutdown(bool cancel) {
   queue_.close();
   if (!cancel) return {};
-  std::vector<Task> taken = queue_.take_all();
+  // Note [Taken is running]: an idle worker already woken for the first task keeps it.
+  std::vector<Task> taken = queue_.take_all(/*spare_awaited=*/true);
   std::vector<Task> cancelled;
   for (auto& task : taken) {
     if (!task.future) {
@@ -166,10 +173,12 @@ bool Lane::join(double timeout_s) {
   std::unique_lock<std::mutex> lock(exit_mutex_);
   PYDFLASH_CHECK_STATE(thread_->get_id() != std::this_thread::get_id(),
                        "a task cannot wait for its own lane to shut down (lane ", index_, ")");
-  if (timeout_s < 0) {
+  const int64_t deadline = timeout_s < 0 ? INT64_MAX : deadline_after(now_ns(), timeout_s);
+  if (deadline == INT64_MAX) {
     exit_cv_.wait(lock, [&] { return exited_; });
-  } else if (!exit_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
-                                [&] { return exited_; })) {
+  } else if (!exit_cv_.wait_until(
+                 lock, std::chrono::steady_clock::time_point(std::chrono::nanoseconds(deadline)),
+                 [&] { return exited_; })) {
     return false;
   }
   if (thread_->joinable()) thread_->join();  // the worker has left exit_mutex_ for good
@@ -293,27 +302,35 @@ void Lane::worker_main() {
   exit_cv_.notify_all();
 }
 
+// Note [Taken is running]: a task has started once its worker takes it from the queue,
+// before the worker has the GIL, as a ThreadPoolExecutor thread's task has once the
+// thread took it: cancel() returns False for it from then on. A cancelling shutdown
+// also leaves an idle lane's first task to its worker, which a submit has already
+// woken for it: a ThreadPoolExecutor's idle threads likewise take the first tasks of
+// a burst as they come, so shutdown(cancel_futures=True) right after submitting still
+// runs one task per idle worker. Tasks queued behind a busy worker are cancelled.
 void Lane::run_one(Task& task) {
   // Left in `task`, so the worker can leak the body if this thread is ended midway.
   std::shared_ptr<FutureState>& future = task.future;
   std::unique_ptr<TaskBody>& body = task.body;
+  auto destroy = [&] {
+    if (body->needs_interpreter_to_destroy()) enter();
+    body.reset();
+  };
+  // Note [Taken is running]: the task starts when the worker takes it, before the GIL.
+  if (future && !future->try_start()) {
+    // Cancelled while queued; whoever cancelled it published and notified.
+    cancelled_.fetch_add(1, std::memory_order_release);
+    destroy();
+    return;
+  }
   if (body->needs_interpreter()) {
     enter();
   } else {
     leave();
   }
-  auto destroy = [&] {
-    if (body->needs_interpreter_to_destroy()) enter();
-    body.reset();
-  };
   if (!future) {  // internal work: a completion of device work
     body->run(*this, nullptr);
-    destroy();
-    return;
-  }
-  if (!future->try_start()) {
-    // Cancelled while queued; whoever cancelled it published and notified.
-    cancelled_.fetch_add(1, std::memory_order_release);
     destroy();
     return;
   }

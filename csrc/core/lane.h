@@ -59,6 +59,11 @@ struct LaneOptions {
   int stream_priority = 0;
 };
 
+/// The longest poll window a lane may be given (Note [Adaptive polling]): a second.
+static constexpr double kMaxSpinUs = 1'000'000.0;
+/// spin_us as LaneOptions::spin_ns. Throws ValueError outside [0, kMaxSpinUs] (NaN too).
+int64_t spin_ns_from_us(double spin_us);
+
 struct LaneStats {
   uint64_t submitted = 0;
   uint64_t completed = 0;
@@ -118,7 +123,8 @@ class Lane : public std::enable_shared_from_this<Lane> {
   void when_passed(void* event, DeviceWatcher::Completion done);
 
   /// Closes the queue. With cancel, returns the queued tasks with their futures
-  /// cancelled; the caller notifies observers and destroys them (it may hold the GIL).
+  /// cancelled, all but the one an idle worker was woken for (Note [Taken is running]);
+  /// the caller notifies observers and destroys them (it may hold the GIL).
   /// A task whose future was cancelled before comes back without it: its canceller
   /// has notified it, so it is only destroyed.
   std::vector<Task> shutdown(bool cancel);

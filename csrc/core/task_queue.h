@@ -51,13 +51,14 @@ class TaskQueue {
   }
 
   /// Blocks until an item arrives or `stop()` says the consumer may leave; polls for
-  /// spin_ns first. Returns false when it left without an item. `slept`, if given,
-  /// says whether the poll ran out.
+  /// spin_ns first, or not at all once the queue is closed. Returns false when it left
+  /// without an item. `slept`, if given, says whether the poll ran out.
   template <typename StopFn>
   bool pop_wait(T& out, int64_t spin_ns, StopFn stop, bool* slept = nullptr) {
     if (slept != nullptr) *slept = false;
+    consumer_waiting_.store(true, std::memory_order_relaxed);
     const int64_t spin_until = now_ns() + spin_ns;
-    while (now_ns() < spin_until) {
+    while (now_ns() < spin_until && !closed_.load(std::memory_order_relaxed)) {
       if (try_pop(out)) return true;
       std::this_thread::yield();
     }
@@ -90,20 +91,25 @@ class TaskQueue {
 
   std::size_t size() const { return size_.load(std::memory_order_relaxed); }
 
-  /// Removes everything queued, in order.
-  std::vector<T> take_all() {
+  /// Removes everything queued, in order. With `spare_awaited`, leaves the first item
+  /// when the consumer holds none (it waits in pop_wait, or has not started): it takes
+  /// that one next.
+  std::vector<T> take_all(bool spare_awaited = false) {
     std::lock_guard<std::mutex> lock(mutex_);
+    const std::size_t kept =
+        spare_awaited && consumer_waiting_.load(std::memory_order_relaxed) && !items_.empty();
     std::vector<T> out;
-    out.reserve(items_.size());
-    for (auto& item : items_) out.push_back(std::move(item));
-    items_.clear();
-    size_.store(0, std::memory_order_relaxed);
+    out.reserve(items_.size() - kept);
+    for (std::size_t i = kept; i < items_.size(); ++i) out.push_back(std::move(items_[i]));
+    items_.resize(kept);
+    size_.store(kept, std::memory_order_relaxed);
     return out;
   }
 
  private:
   bool pop_locked(T& out) {
     if (items_.empty()) return false;
+    consumer_waiting_.store(false, std::memory_order_relaxed);  // read under the lock
     out = std::move(items_.front());
     items_.pop_front();
     size_.store(items_.size(), std::memory_order_relaxed);
@@ -120,6 +126,9 @@ class TaskQueue {
   std::deque<T> items_;
   std::atomic<std::size_t> size_{0};
   std::atomic<bool> sleeping_{false};
+  // In pop_wait without an item, or not started yet. Set by the consumer; cleared under
+  // the lock as it pops.
+  std::atomic<bool> consumer_waiting_{true};
   std::atomic<bool> closed_{false};  // written under mutex_
 };
 

@@ -4,6 +4,7 @@
 
 #include "core/compile_queue.h"
 #include "python/bindings.h"
+#include "python/gil.h"
 #include "python/timeout.h"
 
 namespace py = pybind11;
@@ -22,7 +23,7 @@ struct HolderInterrupted : CompileQueueInterrupted {
 // Results are dropped by whichever caller lets go last, maybe without the GIL.
 CompileResult hold(py::object value) {
   return CompileResult(new py::object(std::move(value)), [](void* p) {
-    py::gil_scoped_acquire gil;
+    GilHeld gil;
     delete static_cast<py::object*>(p);
   });
 }
@@ -57,7 +58,7 @@ py::object run(const std::string& key, const py::object& fn, const std::string& 
   options.label = label;
   options.timeout_s = timeout_seconds(timeout);
   auto work = [&fn]() -> CompileResult {
-    py::gil_scoped_acquire gil;
+    GilHeld gil;
     try {
       return hold(fn());
     } catch (py::error_already_set& e) {
@@ -68,14 +69,16 @@ py::object run(const std::string& key, const py::object& fn, const std::string& 
   };
   // Ctrl-C reaches the main thread's waits; the handler's exception stays set until
   // re-raised below.
-  auto interrupted = [] {
-    py::gil_scoped_acquire gil;
+  auto interrupted = [main = on_main_thread()] {
+    if (!main) return false;  // only the main thread runs signal handlers
+    GilHeld gil;
     return PyErr_CheckSignals() != 0;
   };
   CompileResult result;
   try {
-    py::gil_scoped_release nogil;
-    result = CompileQueue::instance().run(key, work, options, interrupted);
+    // Note [Never retaking the GIL at exit].
+    result =
+        without_gil([&] { return CompileQueue::instance().run(key, work, options, interrupted); });
   } catch (const PythonError& e) {
     raise_held(e.exception);
   } catch (HolderInterrupted& e) {
@@ -106,24 +109,17 @@ void init_compile_queue(py::module_& m) {
         "Runs fn() as the holder of `key`, or waits (without the GIL) for the holder's result.");
   m.def("compile_queue_stats", [] {
     std::map<std::string, CompileKeyStats> stats;
-    {
-      py::gil_scoped_release nogil;  // the queue's lock may be held by a thread wanting the GIL
-      stats = CompileQueue::instance().stats();
-    }
+    // The queue's lock may be held by a thread wanting the GIL.
+    stats = without_gil([] { return CompileQueue::instance().stats(); });
     py::dict out;
     for (const auto& [key, s] : stats) out[py::str(key)] = key_stats(s);
     return out;
   });
-  m.def("compile_queue_reset_stats", [] {
-    py::gil_scoped_release nogil;
-    CompileQueue::instance().reset_stats();
-  });
+  m.def("compile_queue_reset_stats",
+        [] { without_gil([] { CompileQueue::instance().reset_stats(); }); });
   m.def("compile_queue_in_flight", [] {
     std::vector<CompileFlightInfo> flights;
-    {
-      py::gil_scoped_release nogil;
-      flights = CompileQueue::instance().in_flight();
-    }
+    flights = without_gil([] { return CompileQueue::instance().in_flight(); });
     py::list out;
     for (const auto& f : flights) {
       py::dict d;
@@ -139,15 +135,10 @@ void init_compile_queue(py::module_& m) {
   });
   m.def("compile_queue_set_timeout", [](const py::object& timeout) {
     const double t = timeout_seconds(timeout);
-    py::gil_scoped_release nogil;
-    CompileQueue::instance().set_default_timeout(t);
+    without_gil([t] { CompileQueue::instance().set_default_timeout(t); });
   });
   m.def("compile_queue_timeout", [] {
-    double t;
-    {
-      py::gil_scoped_release nogil;
-      t = CompileQueue::instance().default_timeout();
-    }
+    const double t = without_gil([] { return CompileQueue::instance().default_timeout(); });
     return t < 0 ? py::none() : py::object(py::float_(t));
   });
 }

@@ -4,6 +4,7 @@
 
 #include "cuda/device_api.h"
 #include "python/bindings.h"
+#include "python/gil.h"
 
 namespace py = pybind11;
 
@@ -36,10 +37,7 @@ void init_device(py::module_& m) {
       py::arg("stream"), py::arg("event"));
   m.def(
       "synchronize_stream",
-      [](uintptr_t stream) {
-        py::gil_scoped_release nogil;
-        device::synchronize_stream(as_ptr(stream));
-      },
+      [](uintptr_t stream) { without_gil([&] { device::synchronize_stream(as_ptr(stream)); }); },
       py::arg("stream"));
   m.def(
       "query_event", [](uintptr_t event) { return device::query_event(as_ptr(event)); },

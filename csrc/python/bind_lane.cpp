@@ -8,6 +8,7 @@
 #include "cuda/device_api.h"
 #include "python/bindings.h"
 #include "python/future_object.h"
+#include "python/gil.h"
 #include "python/lane_runtime.h"
 #include "python/stdlib_waiters.h"
 #include "python/tasks.h"
@@ -209,6 +210,7 @@ void init_lane(py::module_& m) {
   add_submitter_type(m.ptr());
 
   m.def("stdlib_waiters_native", &stdlib_waiters_native);
+  m.attr("MAX_SPIN_US") = kMaxSpinUs;
   m.def("torch_state_reader", [] {
     const char* reader = torch_state_reader();
     return reader ? py::object(py::str(reader)) : py::object(py::none());
@@ -217,9 +219,8 @@ void init_lane(py::module_& m) {
   py::class_<PyLane>(m, "Lane")
       .def(py::init([](int index, int device, std::string label, py::object future_type,
                        double spin_us) {
-             PYDFLASH_CHECK_VALUE(spin_us >= 0, "expected spin_us >= 0, got ", spin_us);
              LaneOptions options;
-             options.spin_ns = static_cast<int64_t>(spin_us * 1000);
+             options.spin_ns = spin_ns_from_us(spin_us);
              auto rt = std::make_shared<LaneRuntime>(std::move(label), std::move(future_type));
              auto lane = std::make_shared<Lane>(index, device, rt, options);
              lane->start();
@@ -275,8 +276,7 @@ void init_lane(py::module_& m) {
           [](PyLane& l, py::object timeout) {
             const double t = parse_timeout(timeout.ptr());
             if (t == -2.0) throw py::error_already_set();
-            py::gil_scoped_release nogil;
-            return l.lane->join(t);
+            return without_gil([&] { return l.lane->join(t); });
           },
           py::arg("timeout") = py::none())
       .def_property_readonly("closed", [](const PyLane& l) { return l.lane->closed(); })
@@ -293,10 +293,7 @@ void init_lane(py::module_& m) {
         for (auto& r : records) {
           py::object gpu = py::none();
           if (r.gpu_begin != nullptr && r.gpu_end != nullptr) {
-            {
-              py::gil_scoped_release nogil;
-              device::synchronize_event(r.gpu_end);
-            }
+            without_gil([&] { device::synchronize_event(r.gpu_end); });
             const double begin_ms = device::elapsed_ms(epoch, r.gpu_begin);
             const double end_ms = device::elapsed_ms(epoch, r.gpu_end);
             gpu = py::make_tuple(epoch_ns + static_cast<int64_t>(begin_ms * 1e6),

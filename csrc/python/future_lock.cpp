@@ -11,6 +11,7 @@
 
 #include "core/clock.h"
 #include "python/future_object.h"
+#include "python/gil.h"
 #include "python/lane_runtime.h"
 
 namespace py = pybind11;
@@ -54,14 +55,12 @@ void hand_over_to_waiting_worker(FutureLock* l) {
   if (held_from_python != 0) return;
   if (!WaitingWithoutGil::workers_entering() && !not_started(l->future)) return;
   PyObject* future = Py_XNewRef(l->future);  // kept while the GIL is let go
-  Py_BEGIN_ALLOW_THREADS
-  {
+  without_gil([&] {
     WaitingWithoutGil waiting;  // the worker's poll ends at once
     const int64_t until = now_ns() + kHandOverNs;
     while ((WaitingWithoutGil::workers_entering() || not_started(future)) && now_ns() < until)
       std::this_thread::yield();
-  }
-  Py_END_ALLOW_THREADS
+  });
   Py_XDECREF(future);
 }
 
@@ -76,27 +75,27 @@ bool try_take(FutureLock* l, unsigned long me) {
 
 // Blocks until taken, the deadline passes (0) or a signal handler raises (-1).
 int take_contended(FutureLock* l, unsigned long me, double timeout_s) {
-  const int64_t deadline =
-      timeout_s < 0 ? INT64_MAX : now_ns() + static_cast<int64_t>(timeout_s * 1e9);
+  const int64_t deadline = timeout_s < 0 ? INT64_MAX : deadline_after(now_ns(), timeout_s);
   l->sleepers.fetch_add(1, std::memory_order_seq_cst);
   int outcome = 0;
   for (;;) {
     const int64_t now = now_ns();
     if (now >= deadline) break;
-    bool taken;
-    Py_BEGIN_ALLOW_THREADS
-    {
+    // Taken while the GIL is let go, the lock would be held by a thread that parks
+    // instead of taking the GIL back at exit (Note [Never retaking the GIL at exit]):
+    // wait until it is free, then take it holding the GIL.
+    without_gil([&] {
       // Let go before taking the GIL back: its holder may be releasing this lock.
       std::unique_lock<std::mutex> lock(contended_mutex);
       const auto slice = std::chrono::nanoseconds(std::min(kSliceNs, deadline - now));
-      taken = contended_cv.wait_for(lock, slice, [&] { return try_take(l, me); });
-    }
-    Py_END_ALLOW_THREADS
-    if (taken) {
+      contended_cv.wait_for(lock, slice,
+                            [&] { return l->owner.load(std::memory_order_relaxed) == 0; });
+    });
+    if (try_take(l, me)) {
       outcome = 1;
       break;
     }
-    if (PyErr_CheckSignals() < 0) {
+    if (on_main_thread() && PyErr_CheckSignals() < 0) {
       outcome = -1;
       break;
     }

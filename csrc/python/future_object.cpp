@@ -9,6 +9,7 @@
 
 #include "python/bindings.h"
 #include "python/future_lock.h"
+#include "python/gil.h"
 #include "python/lane_runtime.h"
 #include "python/stdlib_waiters.h"
 #include "python/timeout.h"
@@ -284,17 +285,20 @@ void notify_future(PyObject* obj) {
 bool wait_interruptibly(FutureState& state, double timeout_s) {
   if (state.done()) return true;
   bool interrupted = false;
-  bool finished;
-  {
-    py::gil_scoped_release nogil;
-    WaitingWithoutGil waiting;  // Note [Entering when the GIL is free]
-    finished = state.wait(timeout_s, kWaitSpinNs, kWaitSliceNs, [&] {
-      py::gil_scoped_acquire gil;
+  std::function<bool()> check_signals;
+  if (on_main_thread()) {  // only the main thread runs signal handlers
+    check_signals = [&] {
+      GilHeld gil;
       // An exception raised by a handler stays set until re-raised below.
       interrupted = PyErr_CheckSignals() != 0;
       return interrupted;
-    });
+    };
   }
+  // Note [Never retaking the GIL at exit].
+  const bool finished = without_gil([&] {
+    WaitingWithoutGil waiting;  // Note [Entering when the GIL is free]
+    return state.wait(timeout_s, kWaitSpinNs, kWaitSliceNs, check_signals);
+  });
   if (interrupted) throw py::error_already_set();
   return finished;
 }

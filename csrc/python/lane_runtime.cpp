@@ -3,6 +3,7 @@
 #include <thread>
 
 #include "core/clock.h"
+#include "python/gil.h"
 
 namespace py = pybind11;
 
@@ -47,14 +48,14 @@ void LaneRuntime::enter() {
     if (now - start >= kEnterPollNs || now - last_active >= kQuietNs) break;
     std::this_thread::yield();
   }
-  PyEval_RestoreThread(tstate_);
+  restore_gil(tstate_);  // Note [Never retaking the GIL at exit]
   WaitingWithoutGil::worker_entering(-1);
 }
 
 void LaneRuntime::leave() { PyEval_SaveThread(); }
 
 void LaneRuntime::thread_exiting() {
-  PyEval_RestoreThread(tstate_);
+  restore_gil(tstate_);
   Py_CLEAR(future_type_);
   streams_.clear();
   PyThreadState_Clear(tstate_);

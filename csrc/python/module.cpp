@@ -2,6 +2,7 @@
 
 #include "cuda/device_api.h"
 #include "python/bindings.h"
+#include "python/gil.h"
 
 namespace py = pybind11;
 
@@ -15,6 +16,9 @@ PYBIND11_MODULE(_C, m) {
   info["compiler"] = __VERSION__;
   info["cplusplus"] = __cplusplus;
   m.attr("BUILD") = info;
+  // Note [Never retaking the GIL at exit]: the thread that will finalize.
+  pydflash::python::remember_main_thread(
+      py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());
   pydflash::python::init_errors(m);
   pydflash::python::init_device(m);
   pydflash::python::init_lane(m);
