@@ -11,7 +11,7 @@ import torch
 
 import pydflash
 from pydflash import GraphFallbackWarning, GraphMemoryError, TargetGraphs
-from pydflash.target_graphs import Bucket, batch_shape, choose_bucket
+from pydflash.buckets import Bucket, batch_shape, choose_bucket
 
 
 class CausalToy(torch.nn.Module):
@@ -76,7 +76,7 @@ def test_batch_shape_requires_one_batch_and_length():
         ({"lengths": 7}, TypeError, "lengths as an iterable"),
         ({"batch_sizes": [-1]}, ValueError, "batch_sizes"),
         ({"ring": -1}, ValueError, "ring >= 0"),
-        ({"warmup": 1.5}, TypeError, "warmup as an int"),
+        ({"warmup": 1.5}, TypeError, "warmup to be an int"),
         ({"on_full": "drop"}, ValueError, "on_full in"),
         ({"max_graphs": 0}, ValueError, "max_graphs >= 1"),
         ({"pad_value": "x"}, TypeError, "pad_value"),
@@ -137,7 +137,21 @@ def test_a_batch_above_the_largest_bucket_runs_eagerly_and_warns_once(cpu_lane):
         target.submit(cpu_lane, ids_batch(2, 30)).result()  # no second warning
     stats = target.stats()
     assert stats["lanes"][cpu_lane.label]["eager_runs"] == 2
-    assert sum(stats["fallbacks"].values()) == 2
+    assert stats["fallbacks"]["too long"]["count"] == 2
+
+
+def test_fallbacks_are_counted_per_kind_with_the_latest_detail(cpu_lane):
+    """One entry per kind, however many shapes fall back: the record does not grow with
+    the shapes seen, and the warning comes once per kind."""
+    target = TargetGraphs(lambda batch: batch["input_ids"] * 1, lengths=(8,))
+    with pytest.warns(GraphFallbackWarning) as caught:
+        for t in range(9, 41):
+            target.submit(cpu_lane, ids_batch(1, t)).result()
+    assert len([w for w in caught if issubclass(w.category, GraphFallbackWarning)]) == 1
+    fallbacks = target.stats()["fallbacks"]
+    assert list(fallbacks) == ["too long"]
+    assert fallbacks["too long"]["count"] == 32
+    assert "1 x 40 is above the largest bucket" in fallbacks["too long"]["latest"]
 
 
 def test_warmup_runs_every_length_bucket_at_the_example_batch(cpu_lane):
