@@ -171,7 +171,9 @@ class GraphCache:
             cache.eager_runs += 1
             first = self._fallbacks.add(kind, detail)
         if first:
-            warnings.warn(f"{self.name} runs eagerly: {detail}", GraphFallbackWarning, stacklevel=4)
+            warnings.warn(
+                f"{self.name} runs eagerly ({kind}): {detail}", GraphFallbackWarning, stacklevel=4
+            )
 
 
 class LaneGraphCache:
