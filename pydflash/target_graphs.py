@@ -285,7 +285,7 @@ class TargetGraphs(TargetStage):
                 )
                 return self._eager(batch, b * t)
             pads = self._pads(batch, leaves)
-            if not lane.is_gpu:
+            if not lane.is_gpu and self.policy != "eager":
                 return self._padded_eager(leaves, spec, pads, bucket, b, t)
             key = (bucket, spec, signature(leaves))
             entry = cache.get_or_capture(
