@@ -25,22 +25,22 @@ right should a target draw random numbers.
 
 Note [Capturing beside other lanes]: `capture_graph` is the one capture routine; `capture`
 and the graph caches (pydflash/graph_cache.py) call it from a task on the capturing lane.
-What it requires of the rest of the process:
-- Warm-up runs eagerly, beside the other lanes: kernels compile and autotune there, under
-  the Triton guard (pydflash/guards/), and, with `turn`, one lane at a time per bucket in
-  the compile queue, so the others find warm caches.
+- Warm-up runs eagerly, beside the other lanes: kernels compile and autotune there under
+  the Triton guard (pydflash/guards/), and with `turn` one lane at a time per bucket in
+  the compile queue, so the others find warm caches. It holds no turn once it is done.
 - The capture itself (capture_begin .. capture_end) runs while every other lane of the
-  device is paused between tasks (`pydflash.quiesce.device_quiet`). torch's "thread_local"
-  capture mode only stops the capturing thread's unsafe calls; it does not make cuDNN's
-  attention plans, cuBLAS workspaces or an autotuner's `torch.cuda.synchronize` in
-  another thread safe beside a capture (seen at head_dim 256: cuDNN's `mha_graph.execute`
-  failed during capture, then "operation not permitted when stream is capturing").
-  Paused lanes have no host-side CUDA calls in flight; their queued GPU work may go on.
-- The capturing lane's stream is made idle before capture_begin, so nothing queued before
-  the capture is still using blocks the capture may be handed.
+  device is paused between tasks (`pydflash.quiesce.device_quiet`; what that requires of
+  the rest of the process: Note [Quiet device for capture] in csrc/core/device_quiet.h).
+  torch's "thread_local" capture mode only stops the capturing thread's unsafe calls; it
+  does not make cuDNN's attention plans, cuBLAS workspaces or an autotuner's
+  `torch.cuda.synchronize` in another thread safe beside a capture (at head_dim 256
+  cuDNN's `mha_graph.execute` failed during a capture beside a busy lane, then
+  "operation not permitted when stream is capturing").
+- The capturing lane's own stream is made idle before capture_begin (the other lanes'
+  queued GPU work may go on: a capture records calls, not execution).
 - If the device does not quiet within `quiet_timeout`, nothing is captured: CaptureFailed
-  with kind "device busy", and a later call may try again. PYDFLASH_CAPTURE_QUIET=0
-  captures without pausing the other lanes (to show what the pause prevents).
+  of kind "device busy", and a later call may try again. PYDFLASH_CAPTURE_QUIET=0
+  captures without pausing the other lanes, to show what the pause prevents.
 - A failure anywhere leaves no trace (Note [A failed capture]).
 
 Note [A failed capture]: torch's `CUDAGraph.capture_end` raises at `cudaStreamEndCapture`
@@ -336,8 +336,8 @@ def capture_graph(
         if not quiet:
             raise CaptureFailed(
                 "device busy",
-                f"the other lanes of cuda:{lane.device_index} did not pause within "
-                f"{quiet_timeout:g} s for a capture on {lane.label}",
+                f"the other lanes of {lane.label}'s device did not pause within "
+                f"{quiet_timeout:g} s for a capture",
             )
         graph = None
         try:
@@ -431,11 +431,8 @@ def _device_quiet(lane: Lane, timeout: float) -> Iterator[bool]:
     if os.environ.get(QUIET_ENV, "1") == "0":
         yield True
         return
-    try:
-        from .quiesce import device_quiet
-    except ImportError:  # a build without the quiesce module: nothing to pause
-        yield True
-        return
+    from .quiesce import device_quiet
+
     with device_quiet(lane, timeout=timeout) as quiet:
         yield quiet
 

@@ -8,11 +8,15 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 
 import pytest
 
+import pydflash
 from pydflash import GraphFallbackWarning, GraphMemoryError, graph_cache, graphs
 from pydflash.graph_cache import BUSY_RETRIES, GraphCache
+
+REAL_QUIET = graphs._device_quiet
 
 
 class FakeAllocator:
@@ -220,6 +224,37 @@ def test_quiet_env_switch_skips_the_pause(monkeypatch):
     monkeypatch.setenv(graphs.QUIET_ENV, "0")
     with graphs._device_quiet(LANE, 0.0) as quiet:
         assert quiet is True
+
+
+def test_the_capture_runs_while_the_other_lanes_of_the_device_are_paused(cuda, monkeypatch):
+    """Lanes of one device (here the CPU's) keep running tasks during the warm-up, and
+    none runs while the capture is open."""
+    monkeypatch.setattr(graphs, "_device_quiet", REAL_QUIET)
+    ran, window = [], []
+
+    def tick():
+        ran.append(time.monotonic())
+        time.sleep(0.001)
+
+    def fn():
+        if cuda.capturing:
+            window.append(time.monotonic())
+            time.sleep(0.2)
+            window.append(time.monotonic())
+        return "out"
+
+    with pydflash.Dispatcher(["cpu", "cpu"]) as d:
+        capturer, other = d.lanes
+        ticks = [other.submit(tick) for _ in range(1000)]
+        while not ran:
+            time.sleep(0.001)
+        capture = capturer.submit(graphs.capture_graph, fn, capturer, pool=(0, 1), warmup=1)
+        assert capture.result(timeout=60).outputs == "out"
+        for future in ticks:
+            future.result(timeout=60)
+    start, end = window
+    assert [t for t in ran if t < start] and [t for t in ran if t > end]
+    assert [t for t in ran if start < t < end] == []
 
 
 # --- the cache: fallbacks, retries, eviction, cap ------------------------------------------
