@@ -221,7 +221,7 @@ class LaneGraphCache:
     def replay(self, entry: GraphEntry) -> None:
         """entry.graph.replay() on the current stream, counted (and timed, see contract)."""
         if len(entry._events) + len(entry.graph_ms) < TIMED_REPLAYS and entry.eager_ms is not None:
-            start, end = graphs._timing_events()
+            start, end = graphs.timing_events()
             start.record()
             entry.graph.replay()
             end.record()
@@ -306,7 +306,7 @@ class LaneGraphCache:
 
     def _capture_failed(self, key: Hashable, label: Any, exc: Exception) -> None:
         kind = getattr(exc, "kind", "capture failed")
-        detail = getattr(exc, "detail", None) or f"{type(exc).__name__}: {graphs._first_line(exc)}"
+        detail = getattr(exc, "detail", None) or f"{type(exc).__name__}: {graphs.first_line(exc)}"
         detail = f"{label} on {self.label}: {detail}"
         with self.owner._lock:
             if kind == "device busy":

@@ -348,7 +348,7 @@ def capture_graph(
             graph.capture_end()
         except Exception as exc:
             _leave_no_trace(graph, lane.device_index, pool)
-            detail = f"{type(exc).__name__}: {_first_line(exc)}"
+            detail = f"{type(exc).__name__}: {first_line(exc)}"
             raise CaptureFailed("capture failed", detail) from exc
     return Captured(graph, outputs, None if eager_ms is None else eager_ms())
 
@@ -368,7 +368,7 @@ def _warm_up(
                 # From an idle stream: queued behind other work, an eager call would show
                 # none of the launch gaps a graph saves.
                 _stream_idle()
-                timer.extend(_timing_events())
+                timer.extend(timing_events())
                 timer[0].record()
                 fn()
                 timer[1].record()
@@ -399,7 +399,8 @@ def _stream_idle() -> None:
     torch.cuda.current_stream().synchronize()
 
 
-def _timing_events() -> tuple[Any, Any]:
+def timing_events() -> tuple[Any, Any]:
+    """Two CUDA events that time what runs between their records."""
     import torch
 
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -455,7 +456,8 @@ def _leave_no_trace(graph: Any | None, device: int, pool: Any) -> None:
             graph.reset()
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, or its type's name."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 

@@ -347,7 +347,7 @@ def test_auto_policy_drops_a_graph_no_faster_than_eager(cuda, monkeypatch, graph
     def events():
         return FakeEvent(0.0), FakeEvent(next(spent))
 
-    monkeypatch.setattr(graphs, "_timing_events", events)
+    monkeypatch.setattr(graphs, "timing_events", events)
     cache = GraphCache("stage", warmup=1)
     lane = cache.lane(LANE)
     for _ in range(3):
