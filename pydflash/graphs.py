@@ -5,7 +5,8 @@
 comes from pydflash/graph_exec.py); its future completes when the GPU has run the
 graph. `capture(fn, example_inputs, lane)` records an inference forward (a frozen target
 model) on a lane, with static input and output buffers, and `CapturedGraph.run(*inputs)`
-replays it per microbatch.
+replays it per microbatch. `capture_graph` is the one capture routine under it and under
+the graph caches (pydflash/graph_cache.py).
 
 Note [Native graph launch]: the worker launches `raw_cuda_graph_exec()` directly, so
 torch's `replay()` does not run. For inference graphs that changes nothing; a graph with
@@ -215,8 +216,10 @@ def capture(
     the outputs `fn` returned as static outputs. `fn` runs `warmup` times first (lazy
     initialisation, autotuning). `pool` shares a memory pool with other graphs
     (torch.cuda.graph_pool_handle()). Call it from the training thread, not from a
-    task on the same lane. Only what runs on the GPU is replayed: Python control flow
-    is fixed at capture, and fn must not synchronise with the host."""
+    task on the same lane. The capture pauses the other lanes of the device and leaves
+    no trace when it fails (`capture_graph`, Note [Capturing beside other lanes]). Only
+    what runs on the GPU is replayed: Python control flow is fixed at capture, and fn
+    must not synchronise with the host."""
     import torch
 
     if not callable(fn):
