@@ -48,7 +48,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import graphs
+from . import _cuda_capture, graphs
 from ._checks import counted
 from .errors import GraphFallbackWarning, GraphMemoryError
 
@@ -221,7 +221,7 @@ class LaneGraphCache:
     def replay(self, entry: GraphEntry) -> None:
         """entry.graph.replay() on the current stream, counted (and timed, see contract)."""
         if len(entry._events) + len(entry.graph_ms) < TIMED_REPLAYS and entry.eager_ms is not None:
-            start, end = graphs.timing_events()
+            start, end = _cuda_capture.timing_events()
             start.record()
             entry.graph.replay()
             end.record()

@@ -15,60 +15,49 @@ random ops (dropout) replays the same random numbers each launch, because only
 `raw_cuda_graph_exec()`, `submit` and `CapturedGraph.run` fall back to calling
 `replay()` in an ordinary lane task (the launch then holds the GIL).
 
-Note [Where a replay runs]: `CapturedGraph.run` and `submit` launch natively, without the
-GIL, because between copy-in and clone nothing else needs Python. `pydflash.TargetGraphs`
-replays with `graph.replay()` inside its one Python task instead: that task pads the batch
-into the static inputs, may capture the bucket first, replays, and copies the outputs into
-a ring buffer, and every step but the launch needs Python. A native launch would split it
-into three queue entries (copy-in, launch, copy-out), which costs more than the few
-microseconds `replay()` holds the GIL for; and `replay()` keeps the generator offsets
-right should a target draw random numbers.
+Note [Where a replay runs]: `CapturedGraph.run` launches natively, as nothing but the
+launch sits between its copy-in and clone. `pydflash.TargetGraphs` calls `replay()` inside
+its one Python task: padding into the static inputs, a first capture, the copy into a ring
+buffer all need Python, and splitting the task in three queue entries around a native
+launch costs more than the microseconds `replay()` holds the GIL (which also keeps the
+generator offsets right, should a target draw random numbers).
 
-Note [Capturing beside other lanes]: `capture_graph` is the one capture routine; `capture`
-and the graph caches (pydflash/graph_cache.py) call it from a task on the capturing lane.
-- Warm-up runs eagerly, beside the other lanes: kernels compile and autotune there under
-  the Triton guard (pydflash/guards/), and with `turn` one lane at a time per bucket in
-  the compile queue, so the others find warm caches. It holds no turn once it is done.
-- The capture itself (capture_begin .. capture_end) runs while every other lane of the
-  device is paused between tasks (`pydflash.quiesce.device_quiet`; what that requires of
-  the rest of the process: Note [Quiet device for capture] in csrc/core/device_quiet.h).
-  torch's "thread_local" capture mode only stops the capturing thread's unsafe calls; it
-  does not make cuDNN's attention plans, cuBLAS workspaces or an autotuner's
-  `torch.cuda.synchronize` in another thread safe beside a capture (at head_dim 256
-  cuDNN's `mha_graph.execute` failed during a capture beside a busy lane, then
-  "operation not permitted when stream is capturing").
-- The capturing lane's own stream is made idle before capture_begin (the other lanes'
-  queued GPU work may go on: a capture records calls, not execution).
-- If the device does not quiet within `quiet_timeout`, nothing is captured: CaptureFailed
-  of kind "device busy", and a later call may try again. PYDFLASH_CAPTURE_QUIET=0
-  captures without pausing the other lanes, to show what the pause prevents.
-- A failure anywhere leaves no trace (Note [A failed capture]).
+Note [Capturing beside other lanes]: `capture_graph` is the one capture routine (`capture`
+and pydflash/graph_cache.py call it from a task on the capturing lane).
+- Warm-up runs eagerly beside the other lanes, compiling and autotuning under the Triton
+  guard; with `turn`, one lane at a time per bucket in the compile queue (no turn is held
+  afterwards).
+- capture_begin..capture_end runs while every other lane of the device is paused between
+  tasks (pydflash/quiesce.py; what that asks of the rest of the process: Note [Quiet
+  device for capture] in csrc/core/device_quiet.h). "thread_local" capture mode does not
+  make cuDNN's attention plans, cuBLAS workspaces or an autotuner's synchronize in another
+  thread safe beside a capture (at head_dim 256, cuDNN's `mha_graph.execute` failed).
+- The capturing lane's stream is made idle first; other lanes' queued GPU work may go on.
+- No quiet within `quiet_timeout`: nothing is captured (CaptureFailed, kind "device busy");
+  a later call may try again. PYDFLASH_CAPTURE_QUIET=0 skips the pause (to show its use).
 
-Note [A failed capture]: torch's `CUDAGraph.capture_end` raises at `cudaStreamEndCapture`
-when the capture was invalidated (a host sync, an illegal call in the forward, an error
-in another thread under "global" mode) *before* it tells the caching allocator that the
-capture ended, and `reset()` releases the pool only after a successful end. The allocator
-then still records into the lane's pool, and the next capture into it raises
-"beginAllocateToPool: already recording to mempool_id". So after any failure between
-capture_begin and a complete capture_end, `capture_graph` ends the stream's capture (if it
-is still on), ends the allocator's recording into the pool (`_cuda_endAllocateToPool`) and,
-when that recording was still on, gives back the pool reference capture_begin took
-(`_cuda_releasePool`); then it resets the half-made graph. A pool left with no graph may
-not be captured into again (torch asserts its use count is positive): callers take a fresh
-pool after a failed capture when no graph of theirs holds the old one.
+Note [A failed capture]: when a capture was invalidated (a host sync in the forward, say),
+torch's `capture_end` raises at `cudaStreamEndCapture`, before it tells the caching
+allocator the capture ended, and `reset()` releases a pool only after a successful end: the
+next capture into the pool raised "beginAllocateToPool: already recording to mempool_id".
+So after any failure, `capture_graph` ends the stream's capture if it is still on, ends the
+allocator's recording (`_cuda_endAllocateToPool`) and, if that was still on, gives back the
+pool reference capture_begin took (`_cuda_releasePool`), then resets the graph. torch
+asserts a shared pool's use count is positive: after a failure, a caller with no graph
+left in the pool takes a fresh one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from . import _cuda_capture as _cuda
 from . import compile_queue
 from ._checks import counted
 from .errors import GraphCaptureError
@@ -82,7 +71,7 @@ if TYPE_CHECKING:
 #: (and is the one timed for a policy that compares graph and eager).
 DEFAULT_WARMUP = 2
 DEFAULT_QUIET_TIMEOUT = 30.0
-QUIET_ENV = "PYDFLASH_CAPTURE_QUIET"
+QUIET_ENV = _cuda.QUIET_ENV
 
 # Each lane's worker thread, once known, to refuse a capture that would wait for itself.
 _worker_threads: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -335,7 +324,7 @@ def capture_graph(
     of the warm-up propagate as they are."""
     counted(warmup, "warmup", minimum=0)
     eager_ms = _warm_up(fn, lane, warmup, timed, turn)
-    with _device_quiet(lane, quiet_timeout) as quiet:
+    with _cuda.device_quiet(lane, quiet_timeout) as quiet:
         if not quiet:
             raise CaptureFailed(
                 "device busy",
@@ -344,8 +333,8 @@ def capture_graph(
             )
         graph = None
         try:
-            _stream_idle()
-            graph = _new_graph()
+            _cuda.stream_idle()
+            graph = _cuda.new_graph()
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             outputs = fn()
             graph.capture_end()
@@ -370,8 +359,8 @@ def _warm_up(
             if timed and call == warmup - 1:
                 # From an idle stream: queued behind other work, an eager call would show
                 # none of the launch gaps a graph saves.
-                _stream_idle()
-                timer.extend(timing_events())
+                _cuda.stream_idle()
+                timer.extend(_cuda.timing_events())
                 timer[0].record()
                 fn()
                 timer[1].record()
@@ -388,72 +377,19 @@ def _warm_up(
     return lambda: float(start.elapsed_time(end))
 
 
-# The CUDA calls a capture makes, one function each so that the CPU tests can stand in
-# for them.
-def _new_graph() -> Any:
-    import torch
-
-    return torch.cuda.CUDAGraph()
-
-
-def _stream_idle() -> None:
-    import torch
-
-    torch.cuda.current_stream().synchronize()
-
-
-def timing_events() -> tuple[Any, Any]:
-    """Two CUDA events that time what runs between their records."""
-    import torch
-
-    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-
-def _is_capturing() -> bool:
-    import torch
-
-    try:
-        return torch.cuda.is_current_stream_capturing()
-    except RuntimeError:
-        return True  # unknown: try to end it
-
-
-def _end_allocate_to_pool(device: int, pool: Any) -> None:
-    import torch
-
-    torch._C._cuda_endAllocateToPool(device, pool)
-
-
-def _release_pool(device: int, pool: Any) -> None:
-    import torch
-
-    torch._C._cuda_releasePool(device, pool)
-
-
-@contextlib.contextmanager
-def _device_quiet(lane: Lane, timeout: float) -> Iterator[bool]:
-    if os.environ.get(QUIET_ENV, "1") == "0":
-        yield True
-        return
-    from .quiesce import device_quiet
-
-    with device_quiet(lane, timeout=timeout) as quiet:
-        yield quiet
-
-
 def _leave_no_trace(graph: Any | None, device: int, pool: Any) -> None:
     """Note [A failed capture]: ends what a failed capture left on, in the stream and the
     allocator, and resets the graph."""
-    if graph is not None and _is_capturing():
+    if graph is not None and _cuda.is_capturing():
         # Invalidated or not, the capture ends here; ending an invalidated capture raises.
         with contextlib.suppress(Exception):
             graph.capture_end()
     try:
-        _end_allocate_to_pool(device, pool)
+        _cuda.end_allocate_to_pool(device, pool)
     except RuntimeError:
         pass  # never began, or capture_end ended the recording: reset() releases the pool
     else:
-        _release_pool(device, pool)  # the reference capture_begin took
+        _cuda.release_pool(device, pool)  # the reference capture_begin took
     if graph is not None:
         with contextlib.suppress(Exception):
             graph.reset()

@@ -13,10 +13,10 @@ import time
 import pytest
 
 import pydflash
-from pydflash import GraphFallbackWarning, GraphMemoryError, graph_cache, graphs
+from pydflash import GraphFallbackWarning, GraphMemoryError, _cuda_capture, graph_cache, graphs
 from pydflash.graph_cache import BUSY_RETRIES, GraphCache
 
-REAL_QUIET = graphs._device_quiet
+REAL_QUIET = _cuda_capture.device_quiet
 
 
 class FakeAllocator:
@@ -135,12 +135,12 @@ class FakeEvent:
 @pytest.fixture
 def cuda(monkeypatch):
     fake = FakeCuda()
-    monkeypatch.setattr(graphs, "_new_graph", fake.new_graph)
-    monkeypatch.setattr(graphs, "_stream_idle", fake.stream_idle)
-    monkeypatch.setattr(graphs, "_is_capturing", lambda: fake.capturing)
-    monkeypatch.setattr(graphs, "_end_allocate_to_pool", fake.allocator.end)
-    monkeypatch.setattr(graphs, "_release_pool", fake.allocator.release)
-    monkeypatch.setattr(graphs, "_device_quiet", fake.device_quiet)
+    monkeypatch.setattr(_cuda_capture, "new_graph", fake.new_graph)
+    monkeypatch.setattr(_cuda_capture, "stream_idle", fake.stream_idle)
+    monkeypatch.setattr(_cuda_capture, "is_capturing", lambda: fake.capturing)
+    monkeypatch.setattr(_cuda_capture, "end_allocate_to_pool", fake.allocator.end)
+    monkeypatch.setattr(_cuda_capture, "release_pool", fake.allocator.release)
+    monkeypatch.setattr(_cuda_capture, "device_quiet", fake.device_quiet)
     pools = iter(range(1, 1000))
     monkeypatch.setattr(graph_cache, "_new_pool", lambda: (0, next(pools)))
     monkeypatch.setattr(graph_cache, "pool_bytes", lambda pool, device: 0)
@@ -222,14 +222,14 @@ def test_a_device_that_does_not_quiet_is_busy_and_nothing_is_captured(cuda):
 
 def test_quiet_env_switch_skips_the_pause(monkeypatch):
     monkeypatch.setenv(graphs.QUIET_ENV, "0")
-    with graphs._device_quiet(LANE, 0.0) as quiet:
+    with _cuda_capture.device_quiet(LANE, 0.0) as quiet:
         assert quiet is True
 
 
 def test_the_capture_runs_while_the_other_lanes_of_the_device_are_paused(cuda, monkeypatch):
     """Lanes of one device (here the CPU's) keep running tasks during the warm-up, and
     none runs while the capture is open."""
-    monkeypatch.setattr(graphs, "_device_quiet", REAL_QUIET)
+    monkeypatch.setattr(_cuda_capture, "device_quiet", REAL_QUIET)
     ran, window = [], []
 
     def tick():
@@ -347,7 +347,7 @@ def test_auto_policy_drops_a_graph_no_faster_than_eager(cuda, monkeypatch, graph
     def events():
         return FakeEvent(0.0), FakeEvent(next(spent))
 
-    monkeypatch.setattr(graphs, "timing_events", events)
+    monkeypatch.setattr(_cuda_capture, "timing_events", events)
     cache = GraphCache("stage", warmup=1)
     lane = cache.lane(LANE)
     for _ in range(3):
