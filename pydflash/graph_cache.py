@@ -204,6 +204,9 @@ class LaneGraphCache:
         warmup: int | None = None,
         timed: bool | None = None,
     ) -> GraphEntry | None:
+        """The graph for `key`, captured from make()'s fn on a miss; None: run this call
+        eagerly (counted, the reason recorded). `label` names the key in stats and
+        warnings; `warmup` and `timed` override the cache's for this capture."""
         owner = self.owner
         with owner._lock:
             entry = self.graphs.get(key)
