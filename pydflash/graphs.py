@@ -5,7 +5,8 @@
 comes from pydflash/graph_exec.py); its future completes when the GPU has run the
 graph. `capture(fn, example_inputs, lane)` records an inference forward (a frozen target
 model) on a lane, with static input and output buffers, and `CapturedGraph.run(*inputs)`
-replays it per microbatch.
+replays it per microbatch. `capture_graph` is the one capture routine under it and under
+the graph caches (pydflash/graph_cache.py).
 
 Note [Native graph launch]: the worker launches `raw_cuda_graph_exec()` directly, so
 torch's `replay()` does not run. For inference graphs that changes nothing; a graph with
@@ -13,6 +14,37 @@ random ops (dropout) replays the same random numbers each launch, because only
 `replay()` advances the generator offsets. Where the torch in use has no
 `raw_cuda_graph_exec()`, `submit` and `CapturedGraph.run` fall back to calling
 `replay()` in an ordinary lane task (the launch then holds the GIL).
+
+Note [Where a replay runs]: `CapturedGraph.run` launches natively, as nothing but the
+launch sits between its copy-in and clone. `pydflash.TargetGraphs` calls `replay()` inside
+its one Python task: padding into the static inputs, a first capture, the copy into a ring
+buffer all need Python, and splitting the task in three queue entries around a native
+launch costs more than the microseconds `replay()` holds the GIL (which also keeps the
+generator offsets right, should a target draw random numbers).
+
+Note [Capturing beside other lanes]: `capture_graph` is the one capture routine (`capture`
+and pydflash/graph_cache.py call it from a task on the capturing lane).
+- Warm-up runs eagerly beside the other lanes, compiling and autotuning under the Triton
+  guard; with `turn`, one lane at a time per bucket in the compile queue (no turn is held
+  afterwards).
+- capture_begin..capture_end runs while every other lane of the device is paused between
+  tasks (pydflash/quiesce.py; what that asks of the rest of the process: Note [Quiet
+  device for capture] in csrc/core/device_quiet.h). "thread_local" capture mode does not
+  make cuDNN's attention plans, cuBLAS workspaces or an autotuner's synchronize in another
+  thread safe beside a capture (at head_dim 256, cuDNN's `mha_graph.execute` failed).
+- The capturing lane's stream is made idle first; other lanes' queued GPU work may go on.
+- No quiet within `quiet_timeout`: nothing is captured (CaptureFailed, kind "device busy");
+  a later call may try again. PYDFLASH_CAPTURE_QUIET=0 skips the pause (to show its use).
+
+Note [A failed capture]: when a capture was invalidated (a host sync in the forward, say),
+torch's `capture_end` raises at `cudaStreamEndCapture`, before it tells the caching
+allocator the capture ended, and `reset()` releases a pool only after a successful end: the
+next capture into the pool raised "beginAllocateToPool: already recording to mempool_id".
+So after any failure, `capture_graph` ends the stream's capture if it is still on, ends the
+allocator's recording (`_cuda_endAllocateToPool`) and, if that was still on, gives back the
+pool reference capture_begin took (`_cuda_releasePool`), then resets the graph. torch
+asserts a shared pool's use count is positive: after a failure, a caller with no graph
+left in the pool takes a fresh one.
 """
 
 from __future__ import annotations
@@ -25,6 +57,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from . import _cuda_capture as _cuda
+from . import compile_queue
+from ._checks import counted
 from .errors import GraphCaptureError
 from .graph_exec import GraphWrapper, check_lane, native_launch_supported, remember_device, unwrap
 
@@ -32,7 +67,11 @@ if TYPE_CHECKING:
     from ._future import Future
     from .lane import Lane
 
-DEFAULT_WARMUP = 3
+#: Eager calls before a capture: the first compiles and autotunes, the second runs warm
+#: (and is the one timed for a policy that compares graph and eager).
+DEFAULT_WARMUP = 2
+DEFAULT_QUIET_TIMEOUT = 30.0
+QUIET_ENV = _cuda.QUIET_ENV
 
 # Each lane's worker thread, once known, to refuse a capture that would wait for itself.
 _worker_threads: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -166,8 +205,10 @@ def capture(
     the outputs `fn` returned as static outputs. `fn` runs `warmup` times first (lazy
     initialisation, autotuning). `pool` shares a memory pool with other graphs
     (torch.cuda.graph_pool_handle()). Call it from the training thread, not from a
-    task on the same lane. Only what runs on the GPU is replayed: Python control flow
-    is fixed at capture, and fn must not synchronise with the host."""
+    task on the same lane. The capture pauses the other lanes of the device and leaves
+    no trace when it fails (`capture_graph`, Note [Capturing beside other lanes]). Only
+    what runs on the GPU is replayed: Python control flow is fixed at capture, and fn
+    must not synchronise with the host."""
     import torch
 
     if not callable(fn):
@@ -184,8 +225,7 @@ def capture(
             raise TypeError(
                 f"expected example input {position} as a tensor, got {type(tensor).__name__}"
             )
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"expected warmup as an int >= 0, got {warmup!r}")
+    counted(warmup, "warmup", minimum=0)
     if not lane.is_gpu:
         raise GraphCaptureError(
             f"capture needs a GPU lane: a CUDA graph records GPU work, and {lane!r} is a CPU lane"
@@ -221,29 +261,144 @@ def _capture_on_lane(
     device = torch.device("cuda", lane.device_index)
     static_inputs = tuple(x.detach().to(device).clone() for x in examples)
     with torch.no_grad():
-        for _ in range(warmup):
-            fn(*static_inputs)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other lanes keep allocating and synchronising while this one
-        # captures; "global" would make their calls fail and invalidate the capture.
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
-            outputs = fn(*static_inputs)
-        except BaseException as exc:
-            # The capture was invalidated by the failure reported below; end it all the same, to
-            # leave the lane stream out of capture mode.
-            with contextlib.suppress(RuntimeError):
-                graph.capture_end()
+            captured = capture_graph(
+                partial(fn, *static_inputs),
+                lane,
+                pool=torch.cuda.graph_pool_handle() if pool is None else pool,
+                warmup=warmup,
+            )
+        except CaptureFailed as exc:
             raise GraphCaptureError(
                 f"capturing {getattr(fn, '__qualname__', fn)!s} on {lane!r} failed: {exc} "
                 "(a captured function must not synchronise with the host or change "
                 "shapes between calls)"
-            ) from exc
+            ) from exc.__cause__
+    return CapturedGraph(lane, captured.graph, static_inputs, captured.outputs)
+
+
+# --- the one capture routine -----------------------------------------------------------
+
+
+class CaptureFailed(GraphCaptureError):
+    """A capture that left no trace (Note [A failed capture]); `kind` says why in a word:
+    "capture failed" (the forward or torch raised: the cause is `__cause__`) or "device
+    busy" (the other lanes of the device did not pause in time)."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.kind, self.detail))
+
+
+@dataclass
+class Captured:
+    """What `capture_graph` made: the torch graph, what fn returned while it was captured
+    (the buffers every replay writes), and with timed=True the GPU time of the last
+    warm-up call in milliseconds (None otherwise)."""
+
+    graph: Any
+    outputs: Any
+    eager_ms: float | None = None
+
+
+def capture_graph(
+    fn: Callable[[], Any],
+    lane: Lane,
+    *,
+    pool: Any,
+    warmup: int = DEFAULT_WARMUP,
+    timed: bool = False,
+    turn: str | None = None,
+    quiet_timeout: float = DEFAULT_QUIET_TIMEOUT,
+) -> Captured:
+    """Captures fn() as a CUDA graph into memory pool `pool`, from a task on `lane`'s
+    worker (the lane stream current). fn runs `warmup` times eagerly first; with `turn`
+    (a bucket's name) the warm-up takes turns with other lanes' warm-ups of that name in
+    the compile queue; with `timed` the last warm-up call is timed on the GPU. The capture
+    itself runs while the device's other lanes are paused (Note [Capturing beside other
+    lanes]). Raises CaptureFailed, having left no trace (Note [A failed capture]); errors
+    of the warm-up propagate as they are."""
+    counted(warmup, "warmup", minimum=0)
+    eager_ms = _warm_up(fn, lane, warmup, timed, turn)
+    with _cuda.device_quiet(lane, quiet_timeout) as quiet:
+        if not quiet:
+            raise CaptureFailed(
+                "device busy",
+                f"the other lanes of {lane.label}'s device did not pause within "
+                f"{quiet_timeout:g} s for a capture",
+            )
+        graph = None
         try:
+            _cuda.stream_idle()
+            graph = _cuda.new_graph()
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            outputs = fn()
             graph.capture_end()
-        except RuntimeError as exc:
-            raise GraphCaptureError(f"ending the capture on {lane!r} failed: {exc}") from exc
-    return CapturedGraph(lane, graph, static_inputs, outputs)
+        except Exception as exc:
+            _leave_no_trace(graph, lane.device_index, pool)
+            detail = f"{type(exc).__name__}: {first_line(exc)}"
+            raise CaptureFailed("capture failed", detail) from exc
+    return Captured(graph, outputs, None if eager_ms is None else eager_ms())
+
+
+def _warm_up(
+    fn: Callable[[], Any], lane: Lane, warmup: int, timed: bool, turn: str | None
+) -> Callable[[], float] | None:
+    """Runs the warm-up; returns how to read the last call's GPU time (once the stream
+    has passed it: capture_graph makes it idle before capturing), or None."""
+    if warmup == 0:
+        return None
+    timer: list[Any] = []
+
+    def warm() -> None:
+        for call in range(warmup):
+            if timed and call == warmup - 1:
+                # From an idle stream: queued behind other work, an eager call would show
+                # none of the launch gaps a graph saves.
+                _cuda.stream_idle()
+                timer.extend(_cuda.timing_events())
+                timer[0].record()
+                fn()
+                timer[1].record()
+            else:
+                fn()
+
+    if turn is None:
+        warm()
+    else:
+        compile_queue.run(f"{turn} on {lane.label}", warm, slot=turn)
+    if not timer:
+        return None
+    start, end = timer
+    return lambda: float(start.elapsed_time(end))
+
+
+def _leave_no_trace(graph: Any | None, device: int, pool: Any) -> None:
+    """Note [A failed capture]: ends what a failed capture left on, in the stream and the
+    allocator, and resets the graph."""
+    if graph is not None and _cuda.is_capturing():
+        # Invalidated or not, the capture ends here; ending an invalidated capture raises.
+        with contextlib.suppress(Exception):
+            graph.capture_end()
+    try:
+        _cuda.end_allocate_to_pool(device, pool)
+    except RuntimeError:
+        pass  # never began, or capture_end ended the recording: reset() releases the pool
+    else:
+        _cuda.release_pool(device, pool)  # the reference capture_begin took
+    if graph is not None:
+        with contextlib.suppress(Exception):
+            graph.reset()
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, or its type's name."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _inputs_ready(inputs: tuple[Any, ...]) -> list[Any]:
