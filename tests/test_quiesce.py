@@ -302,3 +302,30 @@ def test_a_forked_child_does_not_inherit_a_quiet(run_child_script):
     done = run_child_script("fork_while_quiet.py", timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "child ran 4 tasks" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not pydflash._C.device_count(), reason="needs a CUDA device (graph launches run on GPUs)"
+)
+def test_gpu_graph_launches_of_another_lane_wait_while_quiet():
+    import torch
+
+    from pydflash import graphs
+
+    with pydflash.Dispatcher([0, 0], guard_triton=False) as d:
+        capturer, other = d.lanes
+        captured = graphs.capture(lambda x: x * 2 + 1, torch.zeros(4, device="cuda"), other)
+        assert captured.native
+
+        def capture():
+            with device_quiet(capturer, timeout=WAIT_S) as quiet:
+                launched = other.submit_graph(captured)
+                time.sleep(0.05)
+                held_back = not launched.done()
+            return quiet, held_back, launched
+
+        quiet, held_back, launched = capturer.submit(capture).result(timeout=WAIT_S)
+        assert quiet and held_back
+        assert launched.result(timeout=WAIT_S) is captured.static_outputs
+        assert other.stats()["pauses"] >= 1
