@@ -266,16 +266,19 @@ def test_nested_quiets_and_a_quiet_that_outlives_its_task_ends_with_it():
 
 
 def test_timeout_reads_as_the_one_timeout_rule():
-    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"] * 2, guard_triton=False) as d:
         lane = d.lanes[0]
 
         def quiet_with(timeout):
             with device_quiet(lane, timeout=timeout) as quiet:
                 return quiet
 
-        # Alone on its device: nothing to wait for, whatever the timeout.
-        for timeout in (None, 0, -1, 0.5):
+        # The other lane is idle: it pauses at once. None, infinity and huge numbers wait
+        # forever; zero and less do not wait (an idle lane may not have paused yet).
+        for timeout in (None, 0.5, 5, float("inf"), 1e300):
             assert lane.submit(quiet_with, timeout).result(timeout=WAIT_S) is True
+        for timeout in (0, -1):
+            assert lane.submit(quiet_with, timeout).result(timeout=WAIT_S) in (True, False)
         with pytest.raises(TypeError, match="expected a timeout in seconds or None"):
             lane.submit(quiet_with, "soon").result(timeout=WAIT_S)
 
