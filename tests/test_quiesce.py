@@ -266,16 +266,19 @@ def test_nested_quiets_and_a_quiet_that_outlives_its_task_ends_with_it():
 
 
 def test_timeout_reads_as_the_one_timeout_rule():
-    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"] * 2, guard_triton=False) as d:
         lane = d.lanes[0]
 
         def quiet_with(timeout):
             with device_quiet(lane, timeout=timeout) as quiet:
                 return quiet
 
-        # Alone on its device: nothing to wait for, whatever the timeout.
-        for timeout in (None, 0, -1, 0.5):
+        # The other lane is idle: it pauses at once. None, infinity and huge numbers wait
+        # forever; zero and less do not wait (an idle lane may not have paused yet).
+        for timeout in (None, 0.5, 5, float("inf"), 1e300):
             assert lane.submit(quiet_with, timeout).result(timeout=WAIT_S) is True
+        for timeout in (0, -1):
+            assert lane.submit(quiet_with, timeout).result(timeout=WAIT_S) in (True, False)
         with pytest.raises(TypeError, match="expected a timeout in seconds or None"):
             lane.submit(quiet_with, "soon").result(timeout=WAIT_S)
 
@@ -302,3 +305,30 @@ def test_a_forked_child_does_not_inherit_a_quiet(run_child_script):
     done = run_child_script("fork_while_quiet.py", timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "child ran 4 tasks" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not pydflash._C.device_count(), reason="needs a CUDA device (graph launches run on GPUs)"
+)
+def test_gpu_graph_launches_of_another_lane_wait_while_quiet():
+    import torch
+
+    from pydflash import graphs
+
+    with pydflash.Dispatcher([0, 0], guard_triton=False) as d:
+        capturer, other = d.lanes
+        captured = graphs.capture(lambda x: x * 2 + 1, torch.zeros(4, device="cuda"), other)
+        assert captured.native
+
+        def capture():
+            with device_quiet(capturer, timeout=WAIT_S) as quiet:
+                launched = other.submit_graph(captured)
+                time.sleep(0.05)
+                held_back = not launched.done()
+            return quiet, held_back, launched
+
+        quiet, held_back, launched = capturer.submit(capture).result(timeout=WAIT_S)
+        assert quiet and held_back
+        assert launched.result(timeout=WAIT_S) is captured.static_outputs
+        assert other.stats()["pauses"] >= 1

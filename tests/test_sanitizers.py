@@ -74,7 +74,10 @@ def test_native_tests_clean_under_sanitizer(
     assert stress is not None, output[-20000:]
     tasks, finished, cancelled = map(int, stress.groups())
     assert tasks > 0 and finished + cancelled == tasks
-    print(f"{sanitizer}: {stress[0]}")
+    quiet = re.search(r"QUIET tasks=(\d+) .*quiets=(\d+) .*breaches=(\d+)", done.stdout)
+    assert quiet is not None, output[-20000:]
+    assert int(quiet[2]) > 0 and quiet[3] == "0", quiet[0]
+    print(f"{sanitizer}: {stress[0]}; {quiet[0]}")
 
 
 def test_sanitize_option_rejects_unknown_values(tmp_path: Path) -> None:

@@ -19,6 +19,9 @@ struct Registry {
 
 std::atomic<Registry*> current_registry{nullptr};
 
+// Longer timeouts (infinity included) wait forever: a deadline this far overflows the clock.
+constexpr double kForeverS = 1e9;
+
 Registry& registry() {
   static const bool made = [] {
     current_registry.store(new Registry, std::memory_order_release);
@@ -110,7 +113,7 @@ bool QuietDevice::quiesce(QuietMember& member, double timeout_s) {
   }
   auto all_paused = [&] { return others_paused(member); };
   bool quiet = true;
-  if (timeout_s < 0) {
+  if (timeout_s < 0 || timeout_s > kForeverS) {
     cv_.wait(lock, all_paused);
   } else {
     const auto deadline = std::chrono::steady_clock::now() +

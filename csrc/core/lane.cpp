@@ -121,7 +121,12 @@ void Lane::start() {
   // A member before its first task: a quiesce from now on waits for this lane too.
   quiet_member_.poke = [this] { post_internal(std::make_unique<QuietCheck>()); };
   quiet_.join(quiet_member_);
-  thread_ = new std::thread([self] { self->worker_main(); });
+  try {
+    thread_ = new std::thread([self] { self->worker_main(); });
+  } catch (...) {
+    quiet_.leave(quiet_member_);
+    throw;
+  }
 }
 
 uint64_t Lane::take_id() {
