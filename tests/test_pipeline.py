@@ -13,9 +13,12 @@ import torch
 
 import pydflash
 from pydflash import pipeline as pipeline_module
+from pydflash._failures import STAGES
+from pydflash._flight import HiddenBytes
 from pydflash.errors import PipelineError
-from pydflash.pipeline import STAGES, Pipeline, StepResult
+from pydflash.pipeline import Pipeline, StepResult
 from pydflash.stages import GraphTarget, TargetStage
+from pydflash.stages import drafter as drafter_module
 
 WAIT_S = 30.0  # bound on waits that must end well before it; only a bug reaches it
 _INIT_LOCK = threading.Lock()  # module init draws from torch's global RNG
@@ -282,7 +285,7 @@ def test_target_runs_ahead_while_the_drafter_trains(lanes):
 
 
 def test_the_hidden_byte_ledger_counts_what_is_held():
-    ledger = pipeline_module._HiddenBytes()
+    ledger = HiddenBytes()
     ledger.hold(0, 100)  # microbatch 0's target result
     ledger.hold(0, 50)  # its copy on the drafter's device
     ledger.hold(1, 100)
@@ -431,14 +434,14 @@ def test_a_failing_transfer_names_the_drafter_lane(lanes, monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_a_failing_reduction_stops_every_replica(lanes, monkeypatch):
-    real = pipeline_module.hand_to_lane
+    real = drafter_module.hand_to_lane
 
     def handoff(value, src, event, dst):
         if isinstance(value, list):  # the replicas' gradients
             raise Boom("reduce")
         return real(value, src, event, dst)
 
-    monkeypatch.setattr(pipeline_module, "hand_to_lane", handoff)
+    monkeypatch.setattr(drafter_module, "hand_to_lane", handoff)
     error, _, pipe = run_failing(lanes, "none", -1, n_drafters=2)
     assert (error.stage, error.microbatch, error.lane) == ("reduce", None, "lane 1 (cpu)")
     assert "of step 0" in str(error)
