@@ -30,7 +30,7 @@ _lanes: set[Lane] = set()
 
 def track(lanes: Iterable[Lane]) -> None:
     for lane in list(_lanes):
-        if lane._native.exited or lane._native.forked:
+        if lane.exited or lane.forked:
             _lanes.discard(lane)
     _lanes.update(lanes)
 
@@ -41,16 +41,16 @@ class _Progress:
 
     def __init__(self, lane: Lane) -> None:
         self.lane = lane
-        self.left = lane._native.load()
+        self.left = lane.load()
         self.since = time.monotonic()
         self.abandoned = False
 
     @property
     def done(self) -> bool:
-        return self.abandoned or self.lane._native.exited
+        return self.abandoned or self.lane.exited
 
     def stuck(self) -> bool:
-        left, now = self.lane._native.load(), time.monotonic()
+        left, now = self.lane.load(), time.monotonic()
         if left != self.left:
             self.left, self.since = left, now
         return now - self.since >= EXIT_TIMEOUT_S
@@ -60,8 +60,8 @@ class _Progress:
         if self.done:
             return
         self.abandoned = True
-        cancelled = self.lane._native.shutdown(True)
-        running = self.lane._native.load()  # what is left once the queue is cancelled
+        cancelled = self.lane.close(cancel_futures=True)
+        running = self.lane.load()  # what is left once the queue is cancelled
         if running or cancelled:
             _say(
                 f"exit stopped waiting for {self.lane.label} ({why}): "
@@ -85,7 +85,7 @@ def _after_ctrl_c() -> bool:
 
 
 def _say_waiting(lanes: list[Lane]) -> None:
-    stats = [lane._native.stats() for lane in lanes]
+    stats = [lane.stats() for lane in lanes]
     running = sum(s["running"] + s["on_device"] for s in stats)
     queued = sum(s["queued"] for s in stats)
     labels = ", ".join(lane.label for lane in lanes)
@@ -97,15 +97,15 @@ def _say_waiting(lanes: list[Lane]) -> None:
 
 
 def _finish_at_exit() -> None:
-    busy = [_Progress(lane) for lane in list(_lanes) if not lane._native.forked]
+    busy = [_Progress(lane) for lane in list(_lanes) if not lane.forked]
     try:
         for progress in busy:
-            progress.lane._native.shutdown(False)  # no new work; what is queued runs
+            progress.lane.close()  # no new work; what is queued runs
         busy = [p for p in busy if not p.done]
         if busy and _after_ctrl_c():
             _say_waiting([p.lane for p in busy])
         while busy:
-            busy[0].lane._native.join(_POLL_S)
+            busy[0].lane.join(_POLL_S)
             for p in busy:
                 if not p.done and p.stuck():
                     p.abandon(f"a task ran past PYDFLASH_EXIT_TIMEOUT={EXIT_TIMEOUT_S:g} s")

@@ -11,7 +11,7 @@ from typing import Any
 from . import _exit, guards
 from ._future import Future
 from ._native import C
-from .devices import parse_device, parse_devices
+from .devices import describe, parse_device, parse_devices
 from .lane import DEFAULT_SPIN_US, Lane
 
 
@@ -77,7 +77,7 @@ class Dispatcher(concurrent.futures.Executor):
     def on(self, device: Any, index: int = 0) -> Lane:
         """The `index`-th lane on `device` (an ordinal, 'cuda:N', torch.device or 'cpu')."""
         wanted = parse_device(device)
-        matching = [lane for lane in self._lanes if lane._native.device == wanted]
+        matching = [lane for lane in self._lanes if lane.device == describe(wanted)]
         if not matching:
             have = sorted({lane.device for lane in self._lanes})
             raise ValueError(f"expected a device with a lane ({', '.join(have)}), got {device!r}")
@@ -156,7 +156,7 @@ class Dispatcher(concurrent.futures.Executor):
 
     def set_tracing(self, on: bool) -> None:
         for lane in self._lanes:
-            lane._native.set_tracing(on)
+            lane.set_tracing(on)
 
     def export_trace(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Writes a Chrome/Perfetto trace JSON of the spans recorded so far and returns it."""
@@ -170,10 +170,9 @@ class Dispatcher(concurrent.futures.Executor):
 
 
 def _shutdown_lanes(lanes: list[Lane], wait: bool, cancel_futures: bool) -> None:
+    # Every lane stops taking work before the first wait, so they finish side by side.
     for lane in lanes:
-        if not lane._native.forked:
-            lane._native.shutdown(cancel_futures)
+        lane.shutdown(False, cancel_futures=cancel_futures)
     if wait:
         for lane in lanes:
-            if not lane._native.forked:
-                lane._native.join(None)
+            lane.shutdown(True)

@@ -314,3 +314,20 @@ def test_default_devices_without_a_gpu():
         pytest.skip("a GPU is visible: the default is one lane per GPU (tests/test_cuda.py)")
     with pydflash.Dispatcher(guard_triton=False) as d:
         assert [lane.device for lane in d.lanes] == ["cpu"]
+
+
+def test_a_lane_closes_joins_and_reports_its_life():
+    d = pydflash.Dispatcher(["cpu"], guard=())
+    lane = d.lanes[0]
+    started, gate = threading.Event(), threading.Event()
+    running = lane.submit(lambda: started.set() or gate.wait(30))
+    queued = lane.submit(int, "7")
+    assert started.wait(30)
+    assert (lane.closed, lane.exited, lane.forked) == (False, False, False)
+    assert lane.close(cancel_futures=True) == 1  # the queued task
+    assert lane.closed and queued.cancelled()
+    assert not lane.join(0.01)  # the running task holds the worker
+    gate.set()
+    assert lane.join() and lane.exited
+    assert running.result() is True
+    d.shutdown()  # the same path, once more: nothing left to do

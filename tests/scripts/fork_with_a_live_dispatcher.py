@@ -38,7 +38,8 @@ def child(d: pydflash.Dispatcher, pending, finished) -> None:
         except RuntimeError as e:
             print("child", what, "RuntimeError:", e, flush=True)
     print("child finished result", finished.result(), flush=True)
-    d.shutdown()  # a no-op for the parent's lanes
+    d.lanes[0].shutdown()  # a no-op for the parent's lanes, as is:
+    d.shutdown()
     with pydflash.Dispatcher(["cpu"], guard_triton=False) as own:
         power = own.submit(pow, 2, 5).result(timeout=10)
         total = own.submit(sum, [1, 2, 3]).result(timeout=10)
