@@ -46,9 +46,8 @@ class FlightWindow:
 
     def leave_oldest(self) -> Flight:
         """Removes the oldest flight, whose task has ended; the caller waits on its event."""
-        flight = self._flights.popleft()
-        assert flight.ended, flight.k
-        return flight
+        assert self._flights[0].ended, self._flights[0].k
+        return self._flights.popleft()
 
     def enter(self, k: int) -> Flight:
         assert not self.full and (not self._flights or self._flights[-1].k == k - 1), k

@@ -14,7 +14,6 @@ import torch
 import pydflash
 from pydflash import pipeline as pipeline_module
 from pydflash._failures import STAGES
-from pydflash._flight import HiddenBytes
 from pydflash.errors import PipelineError
 from pydflash.pipeline import Pipeline, StepResult
 from pydflash.stages import GraphTarget, TargetStage
@@ -282,34 +281,6 @@ def test_target_runs_ahead_while_the_drafter_trains(lanes):
     # Targets 0 and 1 were held together with 0 still training.
     assert 2 * stats["hidden_bytes_per_microbatch"] <= stats["hidden_bytes_peak"]
     assert stats["hidden_bytes_peak"] <= 3 * stats["hidden_bytes_per_microbatch"]
-
-
-def test_the_hidden_byte_ledger_counts_what_is_held():
-    ledger = HiddenBytes()
-    ledger.hold(0, 100)  # microbatch 0's target result
-    ledger.hold(0, 50)  # its copy on the drafter's device
-    ledger.hold(1, 100)
-    ledger.release(0, target_may_follow=False)
-    ledger.hold(2, 0)  # opens no entry
-    assert ledger.stats() == {
-        "hidden_bytes_held": 100,
-        "hidden_bytes_peak": 250,
-        "hidden_bytes_per_microbatch": 150,
-    }
-    # Microbatch 3 left before its target finished: its bytes do not count when they come.
-    ledger.release(3, target_may_follow=True)
-    ledger.hold(3, 500)
-    ledger.release_all()
-    ledger.hold(1, 70)  # closed by release_all
-    assert ledger.stats()["hidden_bytes_held"] == 0
-    # A new run counts the same indices again.
-    ledger.new_run()
-    ledger.hold(3, 500)
-    assert ledger.stats() == {
-        "hidden_bytes_held": 500,
-        "hidden_bytes_peak": 500,
-        "hidden_bytes_per_microbatch": 500,
-    }
 
 
 # --- failures ---------------------------------------------------------------------------------
