@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -19,16 +20,20 @@ class Dispatcher(concurrent.futures.Executor):
     """Runs Python callables on native per-device workers; a drop-in replacement for
     ThreadPoolExecutor in multi-GPU training scripts.
 
-    devices: CUDA ordinals, 'cuda:N', torch.device or 'cpu', one lane per entry (repeat
-    an entry for several lanes on one device). Default: every visible GPU, else one CPU
-    lane. trace: record per-lane spans (see `export_trace`). guard: the guards that make
-    compiling safe under threads while the dispatcher lives, by name: 'triton' (Triton's
-    autotuner and compiles), 'fla' (flash-linear-attention's tensor_cache),
-    'torch_compile' (a compiled module's first calls); default all (pydflash/guards/).
-    guard_triton=False: none, as guard=() does. spin_us: how long an idle worker polls
-    its queue before it sleeps; the window grows (to 1 ms) while tasks come in frequent
-    bursts and shrinks back after a pause (0: never poll).
-    max_workers: ThreadPoolExecutor's, refused with the `devices` call to use instead.
+    Args:
+        devices: CUDA ordinals, 'cuda:N', torch.device or 'cpu', one lane per entry
+            (repeat an entry for several lanes on one device). Default: every visible
+            GPU, else one CPU lane.
+        trace: record per-lane spans (see `export_trace`).
+        guard: the guards that make compiling safe under threads while the dispatcher
+            lives, by name: 'triton' (Triton's autotuner and compiles), 'fla'
+            (flash-linear-attention's tensor_cache), 'torch_compile' (a compiled
+            module's first calls). None: all of them (pydflash/guards/); (): none.
+        guard_triton: deprecated; guard_triton=False is guard=().
+        spin_us: how long an idle worker polls its queue before it sleeps; the window
+            grows (to 1 ms) while tasks come in frequent bursts and shrinks back after a
+            pause (0: never poll).
+        max_workers: ThreadPoolExecutor's, refused with the `devices` call to use instead.
     """
 
     def __init__(
@@ -37,7 +42,7 @@ class Dispatcher(concurrent.futures.Executor):
         *,
         trace: bool = False,
         guard: str | Iterable[str] | None = None,
-        guard_triton: bool = True,
+        guard_triton: bool | None = None,
         spin_us: float = DEFAULT_SPIN_US,
         max_workers: None = None,
     ) -> None:
@@ -51,12 +56,19 @@ class Dispatcher(concurrent.futures.Executor):
             )
         parsed = parse_devices(devices)
         names = guards.select(guard)
-        if not guard_triton:
-            if guard is not None and names:
+        if guard_triton is not None:
+            if not guard_triton and guard is not None and names:
                 raise ValueError(
                     f"expected guard=None or () with guard_triton=False, got guard={guard!r}"
                 )
-            names = ()
+            warnings.warn(
+                "Dispatcher(guard_triton=...) is deprecated: it switches every guard; "
+                "pass guard=() for none, or guard=None (the default) for all",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if not guard_triton:
+                names = ()
         # Before any lane exists: an unsupported Triton raises with nothing to clean up.
         self._guard = guards.guard(names, missing_ok=True) if names else None
         self._lanes = [Lane(i, d, spin_us=spin_us) for i, d in enumerate(parsed)]
@@ -123,7 +135,7 @@ class Dispatcher(concurrent.futures.Executor):
                     f"expected inputs_per_lane[{i}] as a tuple of arguments or None, "
                     f"got {type(args).__name__}"
                 )
-        guard = guards.guard_triton(missing_ok=True)
+        guard = guards.install_guards(missing_ok=True)
         try:
             futures = [
                 None if args is None else lane.submit(fn, *args)

@@ -13,7 +13,7 @@ import pydflash
 
 @pytest.fixture
 def dispatcher():
-    d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu", "cpu"], guard=())
     yield d
     d.shutdown(wait=True, cancel_futures=True)
 
@@ -192,7 +192,7 @@ def test_a_replaced_result_is_returned_unless_the_task_failed(dispatcher):
 
 
 def test_shutdown_waits_for_queued_work():
-    d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu"], guard=())
     done = []
     for i in range(20):
         d.submit(lambda i=i: (time.sleep(0.001), done.append(i)))
@@ -203,7 +203,7 @@ def test_shutdown_waits_for_queued_work():
 
 
 def test_shutdown_cancel_futures_resolves_everything():
-    d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu", "cpu"], guard=())
     gates = [threading.Event() for _ in d.lanes]
     running = [lane.submit(g.wait) for lane, g in zip(d.lanes, gates, strict=True)]
     queued = [d.submit(lambda: "ran") for _ in range(40)]
@@ -219,7 +219,7 @@ def test_shutdown_cancel_futures_resolves_everything():
 
 
 def test_shutdown_without_wait_returns_at_once():
-    d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu"], guard=())
     gate = threading.Event()
     f = d.submit(gate.wait)
     start = time.perf_counter()
@@ -230,7 +230,7 @@ def test_shutdown_without_wait_returns_at_once():
 
 
 def test_context_manager_shuts_down():
-    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"], guard=()) as d:
         f = d.submit(time.sleep, 0.01)
     assert f.done()
     with pytest.raises(RuntimeError):
@@ -238,7 +238,7 @@ def test_context_manager_shuts_down():
 
 
 def test_least_busy_placement():
-    with pydflash.Dispatcher(["cpu"] * 3, guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"] * 3, guard=()) as d:
         gates = [threading.Event() for _ in range(3)]
         try:
             d.lanes[0].submit(gates[0].wait)
@@ -278,7 +278,7 @@ def test_each_lane_and_dispatcher_builds_its_submitter_once(dispatcher):
 def test_poll_window_grows_with_frequent_bursts_and_resets_after_a_long_gap():
     # Note [Adaptive polling]: a worker woken soon after it fell asleep polls longer next
     # time; one left idle past the burst gap goes back to spin_us.
-    with pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=20) as d:
+    with pydflash.Dispatcher(["cpu"], guard=(), spin_us=20) as d:
         lane = d.lanes[0]
         windows = []
         for _ in range(40):
@@ -292,7 +292,7 @@ def test_poll_window_grows_with_frequent_bursts_and_resets_after_a_long_gap():
 
 
 def test_no_polling_stays_no_polling():
-    with pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=0) as d:
+    with pydflash.Dispatcher(["cpu"], guard=(), spin_us=0) as d:
         for _ in range(20):
             d.submit(lambda: None).result()
             time.sleep(0.0003)
@@ -312,7 +312,7 @@ def test_lanes_and_on(dispatcher):
 def test_default_devices_without_a_gpu():
     if pydflash._C.device_count():
         pytest.skip("a GPU is visible: the default is one lane per GPU (tests/test_cuda.py)")
-    with pydflash.Dispatcher(guard_triton=False) as d:
+    with pydflash.Dispatcher(guard=()) as d:
         assert [lane.device for lane in d.lanes] == ["cpu"]
 
 
