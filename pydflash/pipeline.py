@@ -201,7 +201,7 @@ class Pipeline:
         pending: deque[tuple[StepResult, StepTasks]] = deque()
         try:
             for r, lane in enumerate(self._drafter_lanes):
-                future = lane.submit(self._task, self._drafter.zero_grad, r)
+                future = lane.submit(self._zero_grad_task, r)
                 self._track(future, "optimizer", None, lane)
             submitted = 0
             while steps is None or submitted < steps:
@@ -269,7 +269,7 @@ class Pipeline:
         )
         try:
             drafter = d_lane.submit(
-                self._train_task, flight, replica, target, self._targets[t_index], t_lane, last
+                self._drafter_task, flight, replica, target, self._targets[t_index], t_lane, last
             )
         except BaseException as exc:  # noqa: BLE001 - raised below, as the pipeline's failure
             target.cancel()
@@ -317,11 +317,10 @@ class Pipeline:
         return futures
 
     # --- the lane tasks: inputs in, then the drafter stage ------------------------------
-    def _task(self, fn: Callable[..., Any], *args: Any) -> Any:
-        match_intra_op_threads(self._threads)
-        return fn(*args)
+    def _zero_grad_task(self, replica: int) -> None:
+        self._drafter.zero_grad(replica)
 
-    def _train_task(
+    def _drafter_task(
         self,
         flight: Flight,
         replica: int,
