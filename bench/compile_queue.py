@@ -69,9 +69,9 @@ def _interleaved(
     for _ in range(rounds):
         for name, fn in (("bare", bare), ("guarded", guarded)):
             if name == "bare":
-                guards.unguard_triton()
+                guards.remove_guards()
             else:
-                guards.guard_triton()
+                guards.install_guards()
             fn()  # warm
             start = time.perf_counter()
             for _ in range(inner):
@@ -87,9 +87,9 @@ def _with_guard_state_restored(measure: Callable[[], Row]) -> Row:
     try:
         return measure()
     finally:
-        guards.unguard_triton()
+        guards.remove_guards()
         if was:
-            guards.guard_triton(missing_ok=True)
+            guards.install_guards(missing_ok=True)
 
 
 def _hit_row(name: str, bare_s: float, guarded_s: float, note: str) -> Row:

@@ -38,7 +38,7 @@ from examples.dflash.loops import (
 )
 from examples.dflash.models import TINY_DRAFTER, TINY_TARGET, DrafterConfig, TargetConfig
 from pydflash import Dispatcher
-from pydflash.pipeline import EagerTarget
+from pydflash.stages import EagerTarget
 
 SECTION = "pipeline"
 OVERLAP_BOUND = 1.1

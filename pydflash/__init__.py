@@ -18,7 +18,7 @@ from .errors import (
     PydflashError,
     UnsupportedTritonError,
 )
-from .guards import guard_triton, unguard_triton
+from .guards import guard_triton, install_guards, remove_guards, unguard_triton
 from .info import build_info
 from .lane import Lane
 from .waiting import wait_all
@@ -61,6 +61,8 @@ __all__ = [
     "__version__",
     "build_info",
     "guard_triton",
+    "install_guards",
+    "remove_guards",
     "unguard_triton",
     "wait_all",
 ]

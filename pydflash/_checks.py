@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .lane import Lane
 
 
 def counted(value: Any, name: str, *, minimum: int = 1) -> int:
@@ -13,3 +17,49 @@ def counted(value: Any, name: str, *, minimum: int = 1) -> int:
     if value < minimum:
         raise ValueError(f"expected {name} >= {minimum}, got {value}")
     return value
+
+
+def lanes_of(lanes: Any, name: str) -> list[Lane]:
+    """`lanes` (one pydflash Lane or an iterable of them, at least one) as a list."""
+    from .lane import Lane
+
+    if isinstance(lanes, Lane):
+        lanes = [lanes]
+    try:
+        lanes = list(lanes)
+    except TypeError:
+        raise TypeError(
+            f"expected {name} to be pydflash lanes, got {type(lanes).__name__}"
+        ) from None
+    if not lanes:
+        raise ValueError(f"expected at least one lane in {name}, got none")
+    for lane in lanes:
+        if not isinstance(lane, Lane):
+            raise TypeError(f"expected {name} to be pydflash lanes, got a {type(lane).__name__}")
+    return lanes
+
+
+def per_lane(
+    value: Any,
+    count: int,
+    name: str,
+    kind: str,
+    accepts: Callable[[Any], bool],
+    *,
+    one_each: str | None = None,
+) -> list[Any]:
+    """One value per lane: a sequence of `count` values, or a single value shared by all
+    lanes. `one_each` names lanes that each need their own: one value is then refused
+    for several lanes. `kind` says in errors what `accepts` takes."""
+    if accepts(value):
+        if count > 1 and one_each is not None:
+            raise ValueError(f"expected one {name} per {one_each} ({count}), got one {name}")
+        return [value] * count
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"expected {count} {name}s (one per lane), got {len(value)}")
+        for item in value:
+            if not accepts(item):
+                raise TypeError(f"expected each {name} to be {kind}, got {type(item).__name__}")
+        return list(value)
+    raise TypeError(f"expected {name} to be {kind} or a list of them, got {type(value).__name__}")

@@ -30,7 +30,7 @@ _lanes: dict[Lane, None] = {}  # in the order they were made
 
 def track(lanes: Iterable[Lane]) -> None:
     for lane in list(_lanes):
-        if lane._native.exited or lane._native.forked:
+        if lane.exited or lane.forked:
             del _lanes[lane]
     _lanes.update(dict.fromkeys(lanes))
 
@@ -42,16 +42,16 @@ class _Progress:
     def __init__(self, lane: Lane, name: str) -> None:
         self.lane = lane
         self.name = name
-        self.left = lane._native.load()
+        self.left = lane.load()
         self.since = time.monotonic()
         self.abandoned = False
 
     @property
     def done(self) -> bool:
-        return self.abandoned or self.lane._native.exited
+        return self.abandoned or self.lane.exited
 
     def stuck(self) -> bool:
-        left, now = self.lane._native.load(), time.monotonic()
+        left, now = self.lane.load(), time.monotonic()
         if left != self.left:
             self.left, self.since = left, now
         return now - self.since >= EXIT_TIMEOUT_S
@@ -61,8 +61,8 @@ class _Progress:
         if self.done:
             return
         self.abandoned = True
-        cancelled = self.lane._native.shutdown(True)
-        running = self.lane._native.load()  # what is left once the queue is cancelled
+        cancelled = self.lane.close(cancel_futures=True)
+        running = self.lane.load()  # what is left once the queue is cancelled
         if running or cancelled:
             _say(
                 f"exit stopped waiting for {self.name} ({why}): "
@@ -94,7 +94,7 @@ def _names(lanes: list[Lane]) -> list[str]:
 
 
 def _say_waiting(busy: list[_Progress]) -> None:
-    stats = [p.lane._native.stats() for p in busy]
+    stats = [p.lane.stats() for p in busy]
     running = sum(s["running"] + s["on_device"] for s in stats)
     queued = sum(s["queued"] for s in stats)
     labels = ", ".join(p.name for p in busy)
@@ -106,16 +106,16 @@ def _say_waiting(busy: list[_Progress]) -> None:
 
 
 def _finish_at_exit() -> None:
-    lanes = [lane for lane in list(_lanes) if not (lane._native.forked or lane._native.exited)]
+    lanes = [lane for lane in list(_lanes) if not (lane.forked or lane.exited)]
     busy = [_Progress(lane, name) for lane, name in zip(lanes, _names(lanes), strict=True)]
     try:
         for progress in busy:
-            progress.lane._native.shutdown(False)  # no new work; what is queued runs
+            progress.lane.close()  # no new work; what is queued runs
         busy = [p for p in busy if not p.done]
         if busy and _after_ctrl_c():
             _say_waiting(busy)
         while busy:
-            busy[0].lane._native.join(_POLL_S)
+            busy[0].lane.join(_POLL_S)
             for p in busy:
                 if not p.done and p.stuck():
                     p.abandon(f"a task ran past PYDFLASH_EXIT_TIMEOUT={EXIT_TIMEOUT_S:g} s")

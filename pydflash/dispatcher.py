@@ -7,6 +7,7 @@ import itertools
 import operator
 import os
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from . import _exit, guards
 from ._future import Future
 from ._native import C
-from .devices import parse_device, parse_devices
+from .devices import describe, parse_device, parse_devices
 from .lane import DEFAULT_SPIN_US, Lane, check_cancel_futures, check_spin_us
 
 _numbers = itertools.count(1)  # dispatchers made in this process, as exit messages name them
@@ -24,16 +25,20 @@ class Dispatcher(concurrent.futures.Executor):
     """Runs Python callables on native per-device workers; a drop-in replacement for
     ThreadPoolExecutor in multi-GPU training scripts.
 
-    devices: CUDA ordinals, 'cuda:N', torch.device or 'cpu', one lane per entry (repeat
-    an entry for several lanes on one device). Default: every visible GPU, else one CPU
-    lane. trace: record per-lane spans (see `export_trace`). guard: the guards that make
-    compiling safe under threads while the dispatcher lives, by name: 'triton' (Triton's
-    autotuner and compiles), 'fla' (flash-linear-attention's tensor_cache),
-    'torch_compile' (a compiled module's first calls); default all (pydflash/guards/).
-    guard_triton=False: none, as guard=() does. spin_us: how long an idle worker polls
-    its queue before it sleeps; the window grows (to 1 ms) while tasks come in frequent
-    bursts and shrinks back after a pause (0: never poll).
-    max_workers: ThreadPoolExecutor's, refused with the `devices` call to use instead.
+    Args:
+        devices: CUDA ordinals, 'cuda:N', torch.device or 'cpu', one lane per entry
+            (repeat an entry for several lanes on one device). Default: every visible
+            GPU, else one CPU lane.
+        trace: record per-lane spans (see `export_trace`).
+        guard: the guards that make compiling safe under threads while the dispatcher
+            lives, by name: 'triton' (Triton's autotuner and compiles), 'fla'
+            (flash-linear-attention's tensor_cache), 'torch_compile' (a compiled
+            module's first calls). None: all of them (pydflash/guards/); (): none.
+        guard_triton: deprecated; guard_triton=False is guard=().
+        spin_us: how long an idle worker polls its queue before it sleeps; the window
+            grows (to 1 ms) while tasks come in frequent bursts and shrinks back after a
+            pause (0: never poll).
+        max_workers: ThreadPoolExecutor's, refused with the `devices` call to use instead.
     """
 
     def __init__(
@@ -42,7 +47,7 @@ class Dispatcher(concurrent.futures.Executor):
         *,
         trace: bool = False,
         guard: str | Iterable[str] | None = None,
-        guard_triton: bool = True,
+        guard_triton: bool | None = None,
         spin_us: float = DEFAULT_SPIN_US,
         max_workers: None = None,
     ) -> None:
@@ -57,12 +62,19 @@ class Dispatcher(concurrent.futures.Executor):
         parsed = parse_devices(devices)
         spin_us = check_spin_us(spin_us)
         names = guards.select(guard)
-        if not guard_triton:
-            if guard is not None and names:
+        if guard_triton is not None:
+            if not guard_triton and guard is not None and names:
                 raise ValueError(
                     f"expected guard=None or () with guard_triton=False, got guard={guard!r}"
                 )
-            names = ()
+            warnings.warn(
+                "Dispatcher(guard_triton=...) is deprecated: it switches every guard; "
+                "pass guard=() for none, or guard=None (the default) for all",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if not guard_triton:
+                names = ()
         # Before any lane exists: an unsupported Triton raises with nothing to clean up.
         self._guard = guards.guard(names, missing_ok=True) if names else None
         self._lanes = [Lane(i, d, spin_us=spin_us) for i, d in enumerate(parsed)]
@@ -95,7 +107,7 @@ class Dispatcher(concurrent.futures.Executor):
         except TypeError:
             got = type(index).__name__
             raise TypeError(f"expected a lane index as an int, got {got}") from None
-        matching = [lane for lane in self._lanes if lane._native.device == wanted]
+        matching = [lane for lane in self._lanes if lane.device == describe(wanted)]
         if not matching:
             have = sorted({lane.device for lane in self._lanes})
             raise ValueError(f"expected a device with a lane ({', '.join(have)}), got {device!r}")
@@ -141,7 +153,7 @@ class Dispatcher(concurrent.futures.Executor):
                     f"expected inputs_per_lane[{i}] as a tuple of arguments or None, "
                     f"got {type(args).__name__}"
                 )
-        guard = guards.guard_triton(missing_ok=True)
+        guard = guards.install_guards(missing_ok=True)
         try:
             futures = [
                 None if args is None else lane.submit(fn, *args)
@@ -174,7 +186,7 @@ class Dispatcher(concurrent.futures.Executor):
 
     def set_tracing(self, on: bool) -> None:
         for lane in self._lanes:
-            lane._native.set_tracing(on)
+            lane.set_tracing(on)
 
     def export_trace(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Writes a Chrome/Perfetto trace JSON of the spans recorded so far to the file at
@@ -189,10 +201,9 @@ class Dispatcher(concurrent.futures.Executor):
 
 
 def _shutdown_lanes(lanes: list[Lane], wait: bool, cancel_futures: bool) -> None:
+    # Every lane stops taking work before the first wait, so they finish side by side.
     for lane in lanes:
-        if not lane._native.forked:
-            lane._native.shutdown(cancel_futures)
+        lane.shutdown(False, cancel_futures=cancel_futures)
     if wait:
         for lane in lanes:
-            if not lane._native.forked:
-                lane._native.join(None)
+            lane.shutdown(True)

@@ -40,7 +40,13 @@ class Lane(concurrent.futures.Executor):
     current and its own CUDA stream is torch's current stream inside every task, and
     the caller's grad mode, inference mode and autocast state at submit apply.
 
-    Lanes are made by `Dispatcher`; `dispatcher.on(device)` returns one."""
+    Lanes are made by `Dispatcher`; `dispatcher.on(device)` returns one.
+
+    Args:
+        index: the lane's number in its dispatcher, as labels and traces show it.
+        device: a CUDA ordinal, or -1 (pydflash.devices.CPU) for a CPU lane.
+        spin_us: how long the idle worker polls its queue before it sleeps (0: never).
+    """
 
     def __init__(self, index: int, device: int, *, spin_us: float = DEFAULT_SPIN_US) -> None:
         spin_us = check_spin_us(spin_us)
@@ -123,9 +129,50 @@ class Lane(concurrent.futures.Executor):
         return self._native.submit_graph(handle, keepalive, self)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self._native.shutdown(check_cancel_futures(cancel_futures))
+        """Stops accepting work. wait: return once the worker has finished what it had.
+        cancel_futures: cancel what is still queued. In a forked child this does nothing:
+        the lane and its worker are the parent's."""
+        if self.forked:
+            return
+        self.close(cancel_futures=cancel_futures)
         if wait:
-            self._native.join(None)
+            self.join()
+
+    # --- life -------------------------------------------------------------------------
+    def close(self, *, cancel_futures: bool = False) -> int:
+        """Stops accepting work without waiting; with cancel_futures, cancels what is
+        queued and returns how many tasks that was (0 without)."""
+        return self._native.shutdown(check_cancel_futures(cancel_futures))
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Waits until the worker has run everything queued and exited (None: forever);
+        False on timeout. The GIL is released meanwhile."""
+        return self._native.join(timeout)
+
+    @property
+    def closed(self) -> bool:
+        """Whether the lane has stopped accepting work."""
+        return self._native.closed
+
+    @property
+    def exited(self) -> bool:
+        """Whether the worker has run its last task and left."""
+        return self._native.exited
+
+    @property
+    def forked(self) -> bool:
+        """Whether this process is a forked child of the one the lane was made in."""
+        return self._native.forked
+
+    # --- traces -----------------------------------------------------------------------
+    def set_tracing(self, on: bool) -> None:
+        """Starts (dropping what was recorded) or stops recording a span per task."""
+        self._native.set_tracing(on)
+
+    def take_trace(self) -> list[tuple]:
+        """Takes the spans recorded so far: (task id, label, submit ns, start ns, end ns,
+        gpu) per task, where gpu is (begin ns, end ns) on the host clock, or None."""
+        return self._native.take_trace()
 
     # --- quiet device (pydflash/quiesce.py) --------------------------------------------
     def hold_device_quiet(self, timeout: float | None) -> bool:

@@ -35,7 +35,7 @@ def collect(lanes: Iterable[Lane]) -> list[dict[str, Any]]:
         events.append(track("thread_name", pid, HOST_TID, "host"))
         if lane.is_gpu:
             events.append(track("thread_name", pid, GPU_TID, "gpu"))
-        for task_id, label, submit_ns, start_ns, end_ns, gpu in lane._native.take_trace():
+        for task_id, label, submit_ns, start_ns, end_ns, gpu in lane.take_trace():
             name = label or "task"
             args = {"task": task_id, "queue_wait_us": (start_ns - submit_ns) / 1e3}
             events += async_span(
@@ -83,12 +83,12 @@ def recording(lanes: Iterable[Lane]) -> Iterator[list[dict[str, Any]]]:
     lanes = list(lanes)
     events: list[dict[str, Any]] = []
     for lane in lanes:
-        lane._native.set_tracing(True)
+        lane.set_tracing(True)
     try:
         yield events
     finally:
         for lane in lanes:
-            lane._native.set_tracing(False)
+            lane.set_tracing(False)
         events.extend(collect(lanes))
 
 

@@ -100,8 +100,8 @@ def guard_module():
     from pydflash import guards
 
     was = guards.is_guarded()
-    guards.unguard_triton()
+    guards.remove_guards()
     yield guards
-    guards.unguard_triton()
+    guards.remove_guards()
     if was:
-        guards.guard_triton(missing_ok=True)
+        guards.install_guards(missing_ok=True)

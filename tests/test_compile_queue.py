@@ -325,7 +325,7 @@ def test_slot_names():
 def test_dispatcher_stats_include_the_queue():
     key = fresh_key("dispatcher")
     compile_queue.run(key, lambda: None)
-    dispatcher = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    dispatcher = pydflash.Dispatcher(["cpu"], guard=())
     try:
         stats = dispatcher.stats()["compile_queue"]
         assert stats["keys"][key]["runs"] == 1

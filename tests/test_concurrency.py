@@ -39,7 +39,7 @@ def producers_round(d: pydflash.Dispatcher) -> None:
 
 
 def test_many_producers_nothing_lost_or_doubled():
-    with pydflash.Dispatcher(["cpu"] * 4, guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"] * 4, guard=()) as d:
         for _ in range(ROUNDS):
             producers_round(d)
         stats = d.stats()["lanes"]
@@ -67,13 +67,13 @@ def waiters_round(d: pydflash.Dispatcher) -> None:
 
 
 def test_waiters_on_other_threads_all_wake():
-    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"], guard=()) as d:
         for _ in range(50):
             waiters_round(d)
 
 
 def test_tasks_submitting_to_other_lanes():
-    with pydflash.Dispatcher(["cpu"] * 2, guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"] * 2, guard=()) as d:
         a, b = d.lanes
 
         def fan_out(n):
@@ -85,7 +85,7 @@ def test_tasks_submitting_to_other_lanes():
 def test_a_task_waiting_on_another_lane_never_holds_back_earlier_results():
     # Lane b waits on f1; lane a then runs a task that waits on lane b. f1 must be
     # published as soon as it finishes, not when lane a next lets go of the GIL.
-    with pydflash.Dispatcher(["cpu"] * 2, guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"] * 2, guard=()) as d:
         a, b = d.lanes
         for _ in range(20):
             gate = threading.Event()
@@ -98,7 +98,7 @@ def test_a_task_waiting_on_another_lane_never_holds_back_earlier_results():
 
 
 def test_a_done_callback_may_read_the_result():
-    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"], guard=()) as d:
         seen = []
         for i in range(50):
             gate = threading.Event()

@@ -115,7 +115,7 @@ def make_dummy_object(_):
 
 def dispatcher(max_workers):
     """The executor under test: `max_workers` CPU lanes."""
-    return pydflash.Dispatcher(["cpu"] * max_workers, guard_triton=False)
+    return pydflash.Dispatcher(["cpu"] * max_workers, guard=())
 
 
 # What the original's subprocess tests import from test.test_concurrent_futures.
@@ -176,7 +176,7 @@ class ExecutorShutdownTest:
             + """if 1:
             from pydflash import Dispatcher
             if __name__ == "__main__":
-                t = Dispatcher(["cpu"] * 5, guard_triton=False)
+                t = Dispatcher(["cpu"] * 5, guard=())
                 t.submit(sleep_and_print, 1.0, "apple")
             """
         )
@@ -199,7 +199,7 @@ class ExecutorShutdownTest:
                     raise
             from pydflash import Dispatcher
             if __name__ == "__main__":
-                t = Dispatcher(["cpu"] * 5, guard_triton=False)
+                t = Dispatcher(["cpu"] * 5, guard=())
             """
         )
         # Errors in atexit hooks don't change the process exit code, check
@@ -246,7 +246,7 @@ class ExecutorShutdownTest:
             + """if True:
             from pydflash import Dispatcher
             if __name__ == "__main__":
-                t = Dispatcher(["cpu"] * 3, guard_triton=False)
+                t = Dispatcher(["cpu"] * 3, guard=())
                 t.submit(sleep_and_print, 1.0, "apple")
                 t.shutdown(wait=False)
             """
@@ -317,7 +317,7 @@ class ThreadPoolShutdownTest(ThreadPoolMixin, ExecutorShutdownTest, unittest.Tes
             + """if True:
             from pydflash import Dispatcher
             if __name__ == "__main__":
-                t = Dispatcher(guard_triton=False)
+                t = Dispatcher(guard=())
                 t.submit(sleep_and_print, .1, "apple")
                 t.shutdown(wait=False, cancel_futures=True)
             """

@@ -14,7 +14,7 @@ SPIN_NS = 50_000_000  # 50 ms of GPU work from the busy-wait kernel
 
 @pytest.fixture
 def two_lanes():
-    d = pydflash.Dispatcher([0, 0], guard_triton=False)
+    d = pydflash.Dispatcher([0, 0], guard=())
     for lane in d.lanes:
         lane.submit(load_kernels).result()
     yield d.lanes
@@ -30,7 +30,7 @@ def load_kernels():
 
 
 def test_default_is_one_lane_per_gpu():
-    with pydflash.Dispatcher(guard_triton=False) as d:
+    with pydflash.Dispatcher(guard=()) as d:
         assert [lane.device for lane in d.lanes] == [
             f"cuda:{i}" for i in range(torch.cuda.device_count())
         ]
@@ -125,7 +125,7 @@ def test_handed_over_memory_is_not_reused_early(two_lanes):
 
 
 def test_many_lanes_overlap_on_one_gpu():
-    with pydflash.Dispatcher([0] * 4, guard_triton=False) as d:
+    with pydflash.Dispatcher([0] * 4, guard=()) as d:
         torch.cuda.synchronize()
         start = time.perf_counter()
         fs = [lane.submit(pydflash._C.busy_wait, lane.stream_ptr, SPIN_NS) for lane in d.lanes]

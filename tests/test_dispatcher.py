@@ -13,7 +13,7 @@ import pydflash
 
 @pytest.fixture
 def dispatcher():
-    d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu", "cpu"], guard=())
     yield d
     d.shutdown(wait=True, cancel_futures=True)
 
@@ -192,7 +192,7 @@ def test_a_replaced_result_is_returned_unless_the_task_failed(dispatcher):
 
 
 def test_shutdown_waits_for_queued_work():
-    d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu"], guard=())
     done = []
     for i in range(20):
         d.submit(lambda i=i: (time.sleep(0.001), done.append(i)))
@@ -203,7 +203,7 @@ def test_shutdown_waits_for_queued_work():
 
 
 def test_shutdown_cancel_futures_resolves_everything():
-    d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu", "cpu"], guard=())
     gates = [threading.Event() for _ in d.lanes]
     running = [lane.submit(g.wait) for lane, g in zip(d.lanes, gates, strict=True)]
     queued = [d.submit(lambda: "ran") for _ in range(40)]
@@ -221,7 +221,7 @@ def test_shutdown_cancel_futures_resolves_everything():
 def test_cancelling_shutdown_right_after_submit_runs_what_idle_workers_took():
     # Note [Taken is running]: an idle lane's worker, woken by the first submit, takes
     # that task; a ThreadPoolExecutor's idle threads take the first tasks likewise.
-    d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu", "cpu"], guard=())
     time.sleep(0.05)  # both workers idle, asleep
     futures = [d.submit(time.sleep, 0.05) for _ in range(10)]  # alternate lanes
     d.shutdown(wait=True, cancel_futures=True)
@@ -230,7 +230,7 @@ def test_cancelling_shutdown_right_after_submit_runs_what_idle_workers_took():
 
 
 def test_shutdown_does_not_wait_out_the_poll_window():
-    d = pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=pydflash._C.MAX_SPIN_US)
+    d = pydflash.Dispatcher(["cpu"], guard=(), spin_us=pydflash._C.MAX_SPIN_US)
     assert d.submit(int, 1).result() == 1  # the worker now polls for a second
     start = time.perf_counter()
     d.shutdown(wait=True)
@@ -250,7 +250,7 @@ def test_an_infinite_timeout_waits_as_none_does(dispatcher, wait):
 
 
 def test_shutdown_without_wait_returns_at_once():
-    d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu"], guard=())
     gate = threading.Event()
     f = d.submit(gate.wait)
     start = time.perf_counter()
@@ -261,7 +261,7 @@ def test_shutdown_without_wait_returns_at_once():
 
 
 def test_context_manager_shuts_down():
-    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"], guard=()) as d:
         f = d.submit(time.sleep, 0.01)
     assert f.done()
     with pytest.raises(RuntimeError):
@@ -269,7 +269,7 @@ def test_context_manager_shuts_down():
 
 
 def test_least_busy_placement():
-    with pydflash.Dispatcher(["cpu"] * 3, guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"] * 3, guard=()) as d:
         gates = [threading.Event() for _ in range(3)]
         try:
             d.lanes[0].submit(gates[0].wait)
@@ -309,7 +309,7 @@ def test_each_lane_and_dispatcher_builds_its_submitter_once(dispatcher):
 def test_poll_window_grows_with_frequent_bursts_and_resets_after_a_long_gap():
     # Note [Adaptive polling]: a worker woken soon after it fell asleep polls longer next
     # time; one left idle past the burst gap goes back to spin_us.
-    with pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=20) as d:
+    with pydflash.Dispatcher(["cpu"], guard=(), spin_us=20) as d:
         lane = d.lanes[0]
         windows = []
         for _ in range(40):
@@ -323,7 +323,7 @@ def test_poll_window_grows_with_frequent_bursts_and_resets_after_a_long_gap():
 
 
 def test_no_polling_stays_no_polling():
-    with pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=0) as d:
+    with pydflash.Dispatcher(["cpu"], guard=(), spin_us=0) as d:
         for _ in range(20):
             d.submit(lambda: None).result()
             time.sleep(0.0003)
@@ -343,5 +343,22 @@ def test_lanes_and_on(dispatcher):
 def test_default_devices_without_a_gpu():
     if pydflash._C.device_count():
         pytest.skip("a GPU is visible: the default is one lane per GPU (tests/test_cuda.py)")
-    with pydflash.Dispatcher(guard_triton=False) as d:
+    with pydflash.Dispatcher(guard=()) as d:
         assert [lane.device for lane in d.lanes] == ["cpu"]
+
+
+def test_a_lane_closes_joins_and_reports_its_life():
+    d = pydflash.Dispatcher(["cpu"], guard=())
+    lane = d.lanes[0]
+    started, gate = threading.Event(), threading.Event()
+    running = lane.submit(lambda: started.set() or gate.wait(30))
+    queued = lane.submit(int, "7")
+    assert started.wait(30)
+    assert (lane.closed, lane.exited, lane.forked) == (False, False, False)
+    assert lane.close(cancel_futures=True) == 1  # the queued task
+    assert lane.closed and queued.cancelled()
+    assert not lane.join(0.01)  # the running task holds the worker
+    gate.set()
+    assert lane.join() and lane.exited
+    assert running.result() is True
+    d.shutdown()  # the same path, once more: nothing left to do

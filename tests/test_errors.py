@@ -18,19 +18,19 @@ def gpus():
 @pytest.mark.parametrize("spec", [7, "cuda:7", -2])
 def test_out_of_range_device_is_a_value_error(spec):
     with pytest.raises(ValueError, match=r"expected .*'cpu'.*got"):
-        pydflash.Dispatcher([gpus() + 7 if spec == 7 else spec], guard_triton=False)
+        pydflash.Dispatcher([gpus() + 7 if spec == 7 else spec], guard=())
 
 
 @pytest.mark.parametrize("spec", ["gpu", "cuda:x", "cpu:0 "])
 def test_unknown_device_string_is_a_value_error(spec):
     with pytest.raises(ValueError, match="got"):
-        pydflash.Dispatcher([spec], guard_triton=False)
+        pydflash.Dispatcher([spec], guard=())
 
 
 @pytest.mark.parametrize("spec", [1.5, None, True, object()])
 def test_device_of_the_wrong_type_is_a_type_error(spec):
     with pytest.raises(TypeError, match="expected a device"):
-        pydflash.Dispatcher([spec], guard_triton=False)
+        pydflash.Dispatcher([spec], guard=())
 
 
 def test_max_workers_is_a_type_error_showing_the_devices_call():
@@ -44,17 +44,17 @@ def test_max_workers_is_a_type_error_showing_the_devices_call():
 
 def test_empty_devices_is_a_value_error():
     with pytest.raises(ValueError, match="at least one device"):
-        pydflash.Dispatcher([], guard_triton=False)
+        pydflash.Dispatcher([], guard=())
 
 
 def test_torch_device_is_accepted():
     torch = pytest.importorskip("torch")
-    with pydflash.Dispatcher([torch.device("cpu")], guard_triton=False) as d:
+    with pydflash.Dispatcher([torch.device("cpu")], guard=()) as d:
         assert d.on(torch.device("cpu")).device == "cpu"
 
 
 def test_on_a_device_without_a_lane_names_the_lanes():
-    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"], guard=()) as d:
         # Without a GPU, cuda:0 is not a device at all; with one, it has no lane here.
         match = r"with a lane \(cpu\)" if gpus() else r"expected 'cpu'.*got 'cuda:0'"
         with pytest.raises(ValueError, match=match):
@@ -62,7 +62,7 @@ def test_on_a_device_without_a_lane_names_the_lanes():
 
 
 def test_non_callable_is_a_type_error():
-    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"], guard=()) as d:
         with pytest.raises(TypeError, match="expected a callable, got int"):
             d.submit(3)
         with pytest.raises(TypeError, match="expected a callable, got str"):
@@ -77,7 +77,7 @@ def test_submit_after_shutdown_is_a_runtime_error_in_the_stdlibs_words(lanes):
     pool.shutdown()
     with pytest.raises(RuntimeError) as stdlib:
         pool.submit(print)
-    d = pydflash.Dispatcher(["cpu"] * lanes, guard_triton=False)
+    d = pydflash.Dispatcher(["cpu"] * lanes, guard=())
     d.shutdown()
     # Named after what the caller submitted to: the Dispatcher, not a lane it picked.
     for executor in (d, d.lanes[0]):
@@ -92,17 +92,17 @@ def test_spin_out_of_range_is_a_value_error(spin_us):
     # must not wait it out.
     expected = r"expected spin_us in \[0, 1e\+06\] \(microseconds\), got "
     with pytest.raises(ValueError, match=expected + re.escape(repr(spin_us))):
-        pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=spin_us)
+        pydflash.Dispatcher(["cpu"], guard=(), spin_us=spin_us)
 
 
 @pytest.mark.parametrize("spin_us", ["x", None, True])
 def test_spin_of_the_wrong_type_is_a_type_error(spin_us):
     with pytest.raises(TypeError, match=r"^expected spin_us in microseconds, got "):
-        pydflash.Dispatcher(["cpu"], guard_triton=False, spin_us=spin_us)
+        pydflash.Dispatcher(["cpu"], guard=(), spin_us=spin_us)
 
 
 def test_cancel_futures_of_the_wrong_type_is_a_type_error():
-    d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu"], guard=())
     for executor in (d, d.lanes[0]):
         with pytest.raises(TypeError, match=r"^expected cancel_futures=True or False, got str$"):
             executor.shutdown(cancel_futures="yes")
@@ -111,11 +111,11 @@ def test_cancel_futures_of_the_wrong_type_is_a_type_error():
 
 def test_devices_as_bytes_is_a_type_error():
     with pytest.raises(TypeError, match=r"^expected a device or a list of devices .*got bytes$"):
-        pydflash.Dispatcher(b"cpu", guard_triton=False)
+        pydflash.Dispatcher(b"cpu", guard=())
 
 
 def test_lane_index_of_the_wrong_type_is_a_type_error():
-    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"], guard=()) as d:
         with pytest.raises(TypeError, match=r"^expected a lane index as an int, got str$"):
             d.on("cpu", "0")
         assert d.on("cpu", 0) is d.lanes[0]
@@ -123,7 +123,7 @@ def test_lane_index_of_the_wrong_type_is_a_type_error():
 
 def test_trace_to_a_file_descriptor_is_a_type_error(tmp_path):
     # open() would write to the descriptor and close it.
-    with pydflash.Dispatcher(["cpu"], guard_triton=False, trace=True) as d:
+    with pydflash.Dispatcher(["cpu"], guard=(), trace=True) as d:
         d.submit(int).result()
         expected = r"^expected a file path \(str or os.PathLike\), got int$"
         with pytest.raises(TypeError, match=expected):
@@ -132,7 +132,7 @@ def test_trace_to_a_file_descriptor_is_a_type_error(tmp_path):
 
 
 def test_forwarding_what_is_not_an_exception_is_a_type_error():
-    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"], guard=()) as d:
         future = d.submit(int, 3)
         with pytest.raises(TypeError, match=r"^expected an exception, got str$"):
             future.forward_failure("str")
@@ -151,14 +151,14 @@ TOO_LONG += "float('inf') to wait forever, got "
 def test_timeout_past_timeout_max_is_an_overflow_error(timeout, got):
     # As threading's own waits refuse it, rather than a deadline in the past.
     said = TOO_LONG + (got or "an int too large to convert to float")
-    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"], guard=()) as d:
         gate = threading.Event()
         future = d.submit(gate.wait)
         waits = {
             "result": lambda: future.result(timeout),
             "exception": lambda: future.exception(timeout),
             "wait_all": lambda: pydflash.wait_all([future], timeout),
-            "join": lambda: d.lanes[0]._native.join(timeout),
+            "join": lambda: d.lanes[0].join(timeout),
         }
         for name, wait in waits.items():
             with pytest.raises(OverflowError) as raised:
@@ -169,7 +169,7 @@ def test_timeout_past_timeout_max_is_an_overflow_error(timeout, got):
 
 def test_graph_on_a_cpu_lane_is_a_value_error():
     with (
-        pydflash.Dispatcher(["cpu"], guard_triton=False) as d,
+        pydflash.Dispatcher(["cpu"], guard=()) as d,
         pytest.raises(ValueError, match="CPU lane"),
     ):
         d.lanes[0]._native.submit_graph(1, None, d.lanes[0])

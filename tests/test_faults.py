@@ -30,7 +30,7 @@ def names_lane(error: BaseException, lane: pydflash.Lane) -> bool:
 
 @pytest.fixture
 def dispatcher():
-    d = pydflash.Dispatcher(["cpu"] * 6, guard_triton=False)
+    d = pydflash.Dispatcher(["cpu"] * 6, guard=())
     yield d
     d.shutdown(cancel_futures=True)
 
@@ -178,7 +178,7 @@ def test_compile_queue_holder_failing_while_other_lanes_wait(
 
 
 def test_stuck_task_times_out_and_shutdown_cancels_the_queue() -> None:
-    d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu", "cpu"], guard=())
     stuck_lane, other_lane = d.lanes
     release = threading.Event()
     ran: list[int] = []
@@ -236,7 +236,7 @@ def test_torch_allocation_failure_reaches_the_waiter(dispatcher: pydflash.Dispat
 def test_gpu_out_of_memory_names_the_lane_and_the_lane_keeps_working() -> None:
     import torch
 
-    d = pydflash.Dispatcher([0], guard_triton=False)
+    d = pydflash.Dispatcher([0], guard=())
     try:
         lane = d.lanes[0]
         total = torch.cuda.get_device_properties(0).total_memory

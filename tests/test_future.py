@@ -24,7 +24,7 @@ RACE_ROUNDS = 150
 def executor(request):
     """One worker, pydflash's or ThreadPoolExecutor's: each test must hold for both."""
     if request.param == "pydflash":
-        ex = pydflash.Dispatcher(["cpu"], guard_triton=False)
+        ex = pydflash.Dispatcher(["cpu"], guard=())
     else:
         ex = cf.ThreadPoolExecutor(1)
     gates: list[threading.Event] = []
@@ -116,7 +116,7 @@ def test_cancel_during_wait_and_as_completed(executor) -> None:
 
 
 def test_one_wait_over_pydflash_and_stdlib_futures() -> None:
-    lanes = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    lanes = pydflash.Dispatcher(["cpu"], guard=())
     pool = cf.ThreadPoolExecutor(1)
     ours_gate, theirs_gate = threading.Event(), threading.Event()
     try:
@@ -211,7 +211,7 @@ def test_the_worker_leaves_a_waiter_as_the_stdlibs_methods_do(kind: str, outcome
             future.cancel()
             future.set_running_or_notify_cancel()
 
-    d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu"], guard=())
     gate = threading.Event()
     try:
         d.submit(gate.wait)
@@ -245,7 +245,7 @@ def test_a_patched_waiter_method_is_called(run_child_script) -> None:
 
 @pytest.fixture
 def lane():
-    d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu"], guard=())
     yield d.lanes[0]
     d.shutdown()
 
@@ -370,7 +370,7 @@ def test_a_future_finishing_while_the_wait_checks_it_counts_once(how: str) -> No
     # holding their conditions. Counted as done and then told again, it would let
     # wait(ALL_COMPLETED) return while `last` still runs, or make as_completed yield it
     # twice. Many rounds, threads started on barriers, switching as often as possible.
-    d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu", "cpu"], guard=())
     earlier = [d.lanes[1].submit(int) for _ in range(300)]  # a longer walk
     cf.wait(earlier)
     interval = sys.getswitchinterval()

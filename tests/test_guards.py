@@ -10,9 +10,9 @@ import pytest
 
 def test_without_triton(guard_module, monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` fail
-    assert guard_module.guard_triton(missing_ok=True) is None
+    assert guard_module.install_guards(missing_ok=True) is None
     with pytest.raises(ImportError, match="missing_ok=True"):
-        guard_module.guard_triton()
+        guard_module.install_guards()
     assert not guard_module.is_guarded()
 
 
@@ -20,7 +20,7 @@ def test_a_dispatcher_installs_the_guard_unless_told_not_to(guard_module):
     pytest.importorskip("triton")
     from pydflash import Dispatcher
 
-    bare = Dispatcher(["cpu"], guard_triton=False)
+    bare = Dispatcher(["cpu"], guard=())
     assert not guard_module.is_guarded()
     bare.shutdown()
     guarded = Dispatcher(["cpu"])
@@ -58,7 +58,7 @@ def test_a_dispatcher_holds_the_guards_it_names(guard_module):
         (
             {"guard": "fla", "guard_triton": False},
             ValueError,
-            "expected guard=None or \\(\\) with guard_triton=False, got guard='fla'",
+            "expected guard=None or \\(\\) with guard=(), got guard='fla'",
         ),
     ],
     ids=["unknown-name", "not-names", "both-ways"],
@@ -83,7 +83,7 @@ def test_warmup_runs_on_every_lane_with_the_guard_on(guard_module):
     pytest.importorskip("triton")
     from pydflash import Dispatcher
 
-    dispatcher = Dispatcher(["cpu"] * 3, guard_triton=False)
+    dispatcher = Dispatcher(["cpu"] * 3, guard=())
     try:
         seen = dispatcher.warmup(lambda x: (x * 2, guard_module.is_guarded()), [(1,), None, (3,)])
         assert seen == [(2, True), None, (6, True)]
@@ -114,9 +114,28 @@ def test_warmup_runs_on_every_lane_with_the_guard_on(guard_module):
 def test_warmup_rejects_bad_arguments(args, error, match):
     from pydflash import Dispatcher
 
-    dispatcher = Dispatcher(["cpu"] * 2, guard_triton=False)
+    dispatcher = Dispatcher(["cpu"] * 2, guard=())
     try:
         with pytest.raises(error, match=match):
             dispatcher.warmup(*args)
     finally:
         dispatcher.shutdown()
+
+
+def test_the_old_names_still_switch_every_guard_with_a_deprecation_warning(
+    guard_module, monkeypatch
+):
+    import pydflash
+    from pydflash import Dispatcher
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # the guards needing no Triton only
+    with pytest.warns(DeprecationWarning, match="use pydflash.install_guards"):
+        assert pydflash.guard_triton(missing_ok=True) is None
+    guard_module.guard(("fla", "torch_compile"))
+    with pytest.warns(DeprecationWarning, match="use pydflash.remove_guards"):
+        pydflash.unguard_triton()
+    assert guard_module.installed() == ()
+    with pytest.warns(DeprecationWarning, match="pass guard=\\(\\) for none"):
+        bare = Dispatcher(["cpu"], guard=())
+    assert guard_module.installed() == ()
+    bare.shutdown()

@@ -74,12 +74,12 @@ def cache_type(fn) -> type:
     "imported_first", [False, True], ids=["guard-then-import", "import-then-guard"]
 )
 def test_fla_tensor_cache_is_made_thread_safe(guard_module, fake_fla, imported_first):
-    pytest.importorskip("triton")  # guard_triton() installs every guard
+    pytest.importorskip("triton")  # install_guards() installs every guard
     from pydflash.guards.fla import _SnapshotDeque
 
     if imported_first:
         import fla.ops
-    guard = guard_module.guard_triton()
+    guard = guard_module.install_guards()
     import fla.ops
     import fla.utils
 

@@ -10,10 +10,10 @@ import pytest
 
 def test_first_calls_of_a_compiled_module_go_through_the_queue(guard_module):
     torch = pytest.importorskip("torch")
-    pytest.importorskip("triton")  # guard_triton() installs every guard
+    pytest.importorskip("triton")  # install_guards() installs every guard
     from pydflash import compile_queue
 
-    guard = guard_module.guard_triton()
+    guard = guard_module.install_guards()
     try:
         torch.manual_seed(0)
         module = torch.nn.Linear(8, 8)

@@ -92,8 +92,8 @@ def patched_attributes():
 
 def test_the_guard_is_idempotent_and_reversible(guard_module):
     before = patched_attributes()
-    first = guard_module.guard_triton()
-    second = guard_module.guard_triton()
+    first = guard_module.install_guards()
+    second = guard_module.install_guards()
     during = patched_attributes()
     assert all(during[k] is not before[k] for k in before), [
         k for k in before if during[k] is before[k]
@@ -117,11 +117,11 @@ def test_the_guard_is_idempotent_and_reversible(guard_module):
     second.uninstall()
     assert not guard_module.is_guarded()
     assert patched_attributes() == before
-    with guard_module.guard_triton() as third:
+    with guard_module.install_guards() as third:
         assert third.active
     assert patched_attributes() == before
-    guard_module.guard_triton()
-    guard_module.unguard_triton()  # whatever handles remain
+    guard_module.install_guards()
+    guard_module.remove_guards()  # whatever handles remain
     assert patched_attributes() == before
 
 
@@ -136,13 +136,13 @@ def test_unknown_internals_are_refused_naming_versions(guard_module, monkeypatch
     monkeypatch.setattr(Autotuner, "run", run)
     before = patched_attributes()
     with pytest.raises(UnsupportedTritonError) as info:
-        guard_module.guard_triton()
+        guard_module.install_guards()
     message = str(info.value)
     assert f"pydflash {__version__} cannot guard Triton {triton.__version__}" in message
     assert (
         "Autotuner.run no longer contains `self.nargs = dict(zip(self.arg_names, args))`" in message
     )
-    assert "Dispatcher(guard_triton=False)" in message
+    assert "Dispatcher(guard=())" in message
     assert not guard_module.is_guarded()
     assert patched_attributes() == before  # nothing half-installed
 
@@ -166,7 +166,7 @@ def test_autotuner_call_state_is_per_thread(guard_module):
     )
     tuner.nargs = {"n": "before the guard"}
     mixed = []
-    with guard_module.guard_triton():
+    with guard_module.install_guards():
         assert tuner.nargs == {"n": "before the guard"}  # still readable
         barrier = threading.Barrier(4)
 
@@ -223,7 +223,7 @@ def test_jit_compiles_are_single_flight_per_kernel_device_and_key(guard_module, 
         return kernel
 
     monkeypatch.setattr(JITFunction, "_do_compile", _do_compile)
-    guard_module.guard_triton()
+    guard_module.install_guards()
 
     @triton.jit
     def kernel(x_ptr, BLOCK: tl.constexpr):
@@ -281,7 +281,7 @@ def test_a_kernel_is_never_seen_half_loaded(guard_module, monkeypatch, guarded):
 
     monkeypatch.setattr(CompiledKernel, "_init_handles", _init_handles)
     if guarded:
-        guard_module.guard_triton()
+        guard_module.install_guards()
     kernel = CompiledKernel.__new__(CompiledKernel)
     kernel.name, kernel.module, kernel.function, kernel._run = "fake", None, None, None
     kernel._module_pid = None  # so that __del__ unloads nothing
@@ -333,7 +333,7 @@ def test_a_cold_keys_configs_compile_in_parallel_before_its_first_benchmark(
     monkeypatch.setattr(autotuner, "_benchmark_slot", lambda: "cuda:0")  # no GPU here
     monkeypatch.setattr(autotuner, "_set_thread_device", lambda device: None)
     monkeypatch.setenv("PYDFLASH_PRECOMPILE_THREADS", threads)
-    guard_module.guard_triton()
+    guard_module.install_guards()
     tuner = Autotuner(
         Kernel(),
         Kernel.arg_names,
@@ -372,7 +372,7 @@ def test_lane_threads_use_the_process_allocator(guard_module):
         return _allocation._allocator.get()(64, 16, None)
 
     original = _allocation._allocator.get()
-    bare = Dispatcher(["cpu"], guard_triton=False)
+    bare = Dispatcher(["cpu"], guard=())
     try:
         triton.set_allocator(allocator)
         with pytest.raises(RuntimeError, match="no allocator was set"):
@@ -380,8 +380,8 @@ def test_lane_threads_use_the_process_allocator(guard_module):
     finally:
         bare.shutdown()
         _allocation._allocator.set(original)
-    guard = guard_module.guard_triton()
-    lanes = Dispatcher(["cpu"] * 2, guard_triton=False)
+    guard = guard_module.install_guards()
+    lanes = Dispatcher(["cpu"] * 2, guard=())
     try:
         triton.set_allocator(allocator)  # after the lanes started, on this thread
         assert [lane.submit(allocate).result() for lane in lanes.lanes] == [
@@ -494,7 +494,7 @@ def _child(case: str, guarded: bool) -> dict:
     globals()["triton"] = triton  # Triton 3.3's interpreter rewrites kernels to use it
     assert triton.knobs.runtime.interpret if hasattr(triton, "knobs") else True
     if guarded:
-        guards.guard_triton()
+        guards.install_guards()
 
     pause = threading.local()  # per thread: a function to run before its next benchmark
     benchmarks: collections.Counter = collections.Counter()
@@ -680,7 +680,7 @@ def _child(case: str, guarded: bool) -> dict:
                     guarded_call(f"worker {w}", call_accumulate, n, w * 100 + i)
                 done_calls.append(1)
 
-        dispatcher = Dispatcher(["cpu"] * 4, guard_triton=guarded)
+        dispatcher = Dispatcher(["cpu"] * 4, guard=None if guarded else ())
         try:
             futures = [dispatcher.on("cpu", i).submit(worker, i) for i in range(4)]
             threads = [

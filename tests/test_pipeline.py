@@ -13,9 +13,11 @@ import torch
 
 import pydflash
 from pydflash import pipeline as pipeline_module
+from pydflash._failures import STAGES
 from pydflash.errors import PipelineError
-from pydflash.pipeline import STAGES, Pipeline, StepResult
+from pydflash.pipeline import Pipeline, StepResult
 from pydflash.stages import GraphTarget, TargetStage
+from pydflash.stages import drafter as drafter_module
 
 WAIT_S = 30.0  # bound on waits that must end well before it; only a bug reaches it
 _INIT_LOCK = threading.Lock()  # module init draws from torch's global RNG
@@ -281,34 +283,6 @@ def test_target_runs_ahead_while_the_drafter_trains(lanes):
     assert stats["hidden_bytes_peak"] <= 3 * stats["hidden_bytes_per_microbatch"]
 
 
-def test_the_hidden_byte_ledger_counts_what_is_held():
-    ledger = pipeline_module._HiddenBytes()
-    ledger.hold(0, 100)  # microbatch 0's target result
-    ledger.hold(0, 50)  # its copy on the drafter's device
-    ledger.hold(1, 100)
-    ledger.release(0, target_may_follow=False)
-    ledger.hold(2, 0)  # opens no entry
-    assert ledger.stats() == {
-        "hidden_bytes_held": 100,
-        "hidden_bytes_peak": 250,
-        "hidden_bytes_per_microbatch": 150,
-    }
-    # Microbatch 3 left before its target finished: its bytes do not count when they come.
-    ledger.release(3, target_may_follow=True)
-    ledger.hold(3, 500)
-    ledger.release_all()
-    ledger.hold(1, 70)  # closed by release_all
-    assert ledger.stats()["hidden_bytes_held"] == 0
-    # A new run counts the same indices again.
-    ledger.new_run()
-    ledger.hold(3, 500)
-    assert ledger.stats() == {
-        "hidden_bytes_held": 500,
-        "hidden_bytes_peak": 500,
-        "hidden_bytes_per_microbatch": 500,
-    }
-
-
 # --- failures ---------------------------------------------------------------------------------
 class Boom(Exception):
     pass
@@ -431,14 +405,14 @@ def test_a_failing_transfer_names_the_drafter_lane(lanes, monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_a_failing_reduction_stops_every_replica(lanes, monkeypatch):
-    real = pipeline_module.hand_to_lane
+    real = drafter_module.hand_to_lane
 
     def handoff(value, src, event, dst):
         if isinstance(value, list):  # the replicas' gradients
             raise Boom("reduce")
         return real(value, src, event, dst)
 
-    monkeypatch.setattr(pipeline_module, "hand_to_lane", handoff)
+    monkeypatch.setattr(drafter_module, "hand_to_lane", handoff)
     error, _, pipe = run_failing(lanes, "none", -1, n_drafters=2)
     assert (error.stage, error.microbatch, error.lane) == ("reduce", None, "lane 1 (cpu)")
     assert "of step 0" in str(error)

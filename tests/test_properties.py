@@ -69,7 +69,7 @@ class Model:
     """The sequence being run: what was submitted, and what the tasks did."""
 
     def __init__(self) -> None:
-        self.dispatcher = pydflash.Dispatcher(["cpu"] * LANES, guard_triton=False)
+        self.dispatcher = pydflash.Dispatcher(["cpu"] * LANES, guard=())
         self.lanes = self.dispatcher.lanes
         self.closed = [False] * LANES
         self.tasks: list[Task] = []
@@ -283,7 +283,7 @@ def test_random_sequences_of_executor_calls() -> None:
 
 
 def test_dispatcher_submit_skips_a_lane_shut_down_on_its_own() -> None:
-    d = pydflash.Dispatcher(["cpu"] * LANES, guard_triton=False)
+    d = pydflash.Dispatcher(["cpu"] * LANES, guard=())
     try:
         d.lanes[0].shutdown()
         futures = [d.submit(int, str(i)) for i in range(30)]

@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BUILD_TIMEOUT_S = 240
 RUN_TIMEOUT_S = 240
 
-# CMakePresets.json names the sanitizer builds.
+# CMakePresets.json names the sanitizer builds. The second target runs the core against
+# a counting fake of the device seam (tests/native/fake_device).
+TARGETS = ("pydflash_native_tests", "pydflash_fake_device_tests")
 PRESETS = {"thread": "tsan", "address": "asan"}
 # Scales that keep each run well under a minute on a shared 2-core machine.
 CI_SCALE = {"thread": "0.1", "address": "0.25"}
@@ -46,7 +48,7 @@ def build_native_tests(build_dir: Path, sanitizer: str) -> Path:
     """Configures and builds tests/native with `sanitizer`; returns the test binary."""
     _require_build_tools()
     configure = ["cmake", "--preset", PRESETS[sanitizer], "-B", str(build_dir)]
-    build = ["cmake", "--build", str(build_dir), "--target", "pydflash_native_tests"]
+    build = ["cmake", "--build", str(build_dir), "--target", *TARGETS]
     for command in (configure, build):
         done = _run(command)
         assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}"
@@ -78,6 +80,16 @@ def test_native_tests_clean_under_sanitizer(
     assert quiet is not None, output[-20000:]
     assert int(quiet[2]) > 0 and quiet[3] == "0", quiet[0]
     print(f"{sanitizer}: {stress[0]}; {quiet[0]}")
+    fake = subprocess.run(
+        [str(binary.parent / TARGETS[1])],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        env=env,
+    )
+    output = fake.stdout + fake.stderr
+    assert REPORT_MARKERS[sanitizer] not in output, output[-20000:]
+    assert fake.returncode == 0, output[-20000:]
 
 
 def test_sanitize_option_rejects_unknown_values(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 @pytest.fixture
 def lane():
-    d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu"], guard=())
     yield d.lanes[0]
     d.shutdown()
 
@@ -43,7 +43,7 @@ def test_no_grad_is_carried_and_does_not_leak(lane):
 
 def test_enable_grad_inside_no_grad_thread():
     # The worker's own grad mode must not matter: set it off there, submit with grad on.
-    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"], guard=()) as d:
         d.submit(torch.set_grad_enabled, False).result()
         assert d.submit(torch.is_grad_enabled).result() is True
 

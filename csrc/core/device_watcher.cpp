@@ -3,7 +3,7 @@
 #include <exception>
 #include <utility>
 
-#include "cuda/device_api.h"
+#include "core/device_api.h"
 
 namespace pydflash {
 

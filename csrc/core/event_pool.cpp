@@ -3,8 +3,8 @@
 #include <mutex>
 #include <vector>
 
+#include "core/device_api.h"
 #include "core/error.h"
-#include "cuda/device_api.h"
 
 namespace pydflash::event_pool {
 namespace {

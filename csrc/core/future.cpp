@@ -18,11 +18,7 @@ FutureState::~FutureState() {
   if (event_ != nullptr) event_pool::give(event_device_, event_);
 }
 
-// Note [Deferred result events]: a result event orders a consumer stream after the
-// task's GPU work, so the event may be recorded later than the task's end, never
-// earlier. Recorded on demand, it lands after whatever the lane has queued since: a
-// consumer may wait longer than it needs, never less. Results that hold tensors, the
-// ones handed between lanes, still get theirs when the task ends.
+// Note [Deferred result events] (future.h): recorded on demand, after the task's end.
 void* FutureState::event_recorded_now() {
   if (status() != FutureStatus::Finished) return nullptr;  // the worker may still set it
   if (event_ == nullptr && deferred_stream_ != nullptr) {

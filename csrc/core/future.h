@@ -91,9 +91,13 @@ class FutureState {
     event_device_ = device;
     event_ = event;
   }
-  /// Note [Deferred result events]: a task whose result holds no GPU memory (None, a
-  /// number, a string, an exception) gets its event only when someone asks, recorded on
-  /// `stream` then. Set by the worker before the task finishes.
+  /// Note [Deferred result events]: a result event orders a consumer stream after the
+  /// task's GPU work, so the event may be recorded later than the task's end, never
+  /// earlier. A task whose result holds no GPU memory (None, a number, a string, an
+  /// exception) gets its event only when someone asks, recorded on `stream` then: it
+  /// lands after whatever the lane has queued since, so a consumer may wait longer than
+  /// it needs, never less. Results that hold tensors, the ones handed between lanes,
+  /// still get theirs when the task ends. Set by the worker before the task finishes.
   void defer_event(int device, void* stream) {
     event_device_ = device;
     deferred_stream_ = stream;

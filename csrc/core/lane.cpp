@@ -6,10 +6,10 @@
 #include <chrono>
 
 #include "core/clock.h"
+#include "core/device_api.h"
 #include "core/error.h"
 #include "core/event_pool.h"
 #include "core/fork.h"
-#include "cuda/device_api.h"
 
 namespace pydflash {
 
@@ -90,6 +90,7 @@ Lane::~Lane() {
   auto give_back_events = [&] {
     for (void* event : events_) event_pool::give(device_, event);
   };
+  if (forked()) forget_trace_events();  // the rest are destroyed with their records
   if (thread_ == nullptr) {
     give_back_events();
     return;
@@ -270,14 +271,24 @@ void Lane::set_tracing(bool on) {
   if (on && !tracing_.load()) {
     trace_.clear();
     if (is_gpu()) {
-      if (trace_epoch_event_ == nullptr)
-        trace_epoch_event_ = device::create_event(device_, /*timing=*/true);
-      device::record_event(trace_epoch_event_, stream_);
-      device::synchronize_event(trace_epoch_event_);
+      if (!trace_epoch_event_)
+        trace_epoch_event_ = device::OwnedEvent(device::create_event(device_, /*timing=*/true));
+      device::record_event(trace_epoch_event_.get(), stream_);
+      device::synchronize_event(trace_epoch_event_.get());
     }
     trace_epoch_ns_ = now_ns();
   }
   tracing_.store(on);
+}
+
+void Lane::forget_trace_events() {
+  // Note [CUDA objects at exit]: a forked child's events are the parent's.
+  std::lock_guard<std::mutex> lock(trace_mutex_);
+  for (auto& record : trace_) {
+    (void)record.gpu_begin.release();
+    (void)record.gpu_end.release();
+  }
+  (void)trace_epoch_event_.release();
 }
 
 std::vector<TraceRecord> Lane::take_trace() {
@@ -383,8 +394,8 @@ void Lane::run_one(Task& task) {
   const bool trace = tracing();
   TraceRecord record;
   if (trace && is_gpu()) {
-    record.gpu_begin = device::create_event(device_, /*timing=*/true);
-    device::record_event(record.gpu_begin, stream_);
+    record.gpu_begin = device::OwnedEvent(device::create_event(device_, /*timing=*/true));
+    device::record_event(record.gpu_begin.get(), stream_);
   }
   running_task_.store(true, std::memory_order_relaxed);
   future->start_ns = now_ns();
@@ -395,8 +406,8 @@ void Lane::run_one(Task& task) {
   running_task_.store(false, std::memory_order_relaxed);
   if (trace) {
     if (is_gpu()) {
-      record.gpu_end = device::create_event(device_, /*timing=*/true);
-      device::record_event(record.gpu_end, stream_);
+      record.gpu_end = device::OwnedEvent(device::create_event(device_, /*timing=*/true));
+      device::record_event(record.gpu_end.get(), stream_);
     }
     record.id = future->id();
     record.label = body->label();

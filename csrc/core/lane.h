@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/device_api.h"
 #include "core/device_quiet.h"
 #include "core/device_watcher.h"
 #include "core/future.h"
@@ -82,15 +83,16 @@ struct LaneStats {
 };
 
 /// One task as the trace sees it: host times, and the lane-stream events around it
-/// on GPU lanes (timing events, recorded only while tracing).
+/// on GPU lanes (timing events, recorded only while tracing). The record owns its
+/// events: whoever drops it destroys them (Note [CUDA objects at exit]).
 struct TraceRecord {
   uint64_t id = 0;
   std::string label;
   int64_t submit_ns = 0;
   int64_t start_ns = 0;
   int64_t end_ns = 0;
-  void* gpu_begin = nullptr;
-  void* gpu_end = nullptr;
+  device::OwnedEvent gpu_begin;
+  device::OwnedEvent gpu_end;
 };
 
 class Lane : public std::enable_shared_from_this<Lane> {
@@ -159,17 +161,20 @@ class Lane : public std::enable_shared_from_this<Lane> {
   QuietStats quiet_stats() { return forked() ? QuietStats{} : quiet_.stats(quiet_member_); }
   int quiet_device() const { return quiet_.device(); }
 
+  /// Turning tracing on drops the records gathered so far.
   void set_tracing(bool on);
   bool tracing() const { return tracing_.load(std::memory_order_relaxed); }
   /// Takes the records gathered so far, with the epoch they are relative to on the
   /// GPU: (host ns, event) recorded together when tracing started.
   std::vector<TraceRecord> take_trace();
   int64_t trace_epoch_ns() const { return trace_epoch_ns_; }
-  void* trace_epoch_event() const { return trace_epoch_event_; }
+  void* trace_epoch_event() const { return trace_epoch_event_.get(); }
 
  private:
   void worker_main();
   void run_one(Task& task);
+  /// Gives up the trace's events without destroying them (a forked child's ~Lane).
+  void forget_trace_events();
   /// Enter or leave the interpreter; entered_ says which the worker is in.
   void enter();
   void leave();
@@ -216,7 +221,7 @@ class Lane : public std::enable_shared_from_this<Lane> {
   std::mutex trace_mutex_;
   std::vector<TraceRecord> trace_;
   int64_t trace_epoch_ns_ = 0;
-  void* trace_epoch_event_ = nullptr;
+  device::OwnedEvent trace_epoch_event_;
 };
 
 }  // namespace pydflash

@@ -1,7 +1,7 @@
 #include <cstdint>
 
+#include "core/device_api.h"
 #include "cuda/cuda_check.h"
-#include "cuda/device_api.h"
 
 namespace pydflash::device {
 namespace {

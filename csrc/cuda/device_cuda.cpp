@@ -1,12 +1,10 @@
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
+#include "core/device_api.h"
 #include "cuda/cuda_check.h"
-#include "cuda/device_api.h"
 
-// Note [CUDA objects at exit]: lane streams are created once and never destroyed.
-// Destroying CUDA objects from static destructors races the driver's own teardown
-// at process exit (c10 leaks its stream pools for the same reason).
+// The CUDA side of the device seam, core/device_api.h (Note [CUDA objects at exit] there).
 
 namespace pydflash::device {
 namespace {

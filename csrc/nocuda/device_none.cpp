@@ -1,7 +1,7 @@
 // The device seam for builds without a CUDA compiler: no devices, and every call that
 // would need one says so.
+#include "core/device_api.h"
 #include "core/error.h"
-#include "cuda/device_api.h"
 
 namespace pydflash::device {
 namespace {

@@ -2,7 +2,7 @@
 // cross as integers (what torch.cuda.ExternalStream and Event.cuda_event take).
 #include <pybind11/pybind11.h>
 
-#include "cuda/device_api.h"
+#include "core/device_api.h"
 #include "python/bindings.h"
 #include "python/gil.h"
 

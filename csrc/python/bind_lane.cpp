@@ -3,9 +3,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "core/device_api.h"
 #include "core/error.h"
 #include "core/lane.h"
-#include "cuda/device_api.h"
 #include "python/bindings.h"
 #include "python/future_object.h"
 #include "python/gil.h"
@@ -303,22 +303,21 @@ void init_lane(py::module_& m) {
       .def("set_tracing", [](PyLane& l, bool on) { l.lane->set_tracing(on); })
       .def("take_trace", [](PyLane& l) {
         // Off the hot path: waits for the GPU spans' events and converts them to
-        // nanoseconds on the host clock, relative to the epoch taken at set_tracing.
+        // nanoseconds on the host clock, relative to the epoch taken at set_tracing. The
+        // records destroy their events when `records` goes.
         auto records = l.lane->take_trace();
         py::list out;
         const int64_t epoch_ns = l.lane->trace_epoch_ns();
         void* epoch = l.lane->trace_epoch_event();
         for (auto& r : records) {
           py::object gpu = py::none();
-          if (r.gpu_begin != nullptr && r.gpu_end != nullptr) {
-            without_gil([&] { device::synchronize_event(r.gpu_end); });
-            const double begin_ms = device::elapsed_ms(epoch, r.gpu_begin);
-            const double end_ms = device::elapsed_ms(epoch, r.gpu_end);
+          if (r.gpu_begin && r.gpu_end) {
+            without_gil([&] { device::synchronize_event(r.gpu_end.get()); });
+            const double begin_ms = device::elapsed_ms(epoch, r.gpu_begin.get());
+            const double end_ms = device::elapsed_ms(epoch, r.gpu_end.get());
             gpu = py::make_tuple(epoch_ns + static_cast<int64_t>(begin_ms * 1e6),
                                  epoch_ns + static_cast<int64_t>(end_ms * 1e6));
           }
-          if (r.gpu_begin) device::destroy_event(r.gpu_begin);
-          if (r.gpu_end) device::destroy_event(r.gpu_end);
           out.append(py::make_tuple(r.id, r.label, r.submit_ns, r.start_ns, r.end_ns, gpu));
         }
         return out;

@@ -10,8 +10,7 @@ namespace py = pybind11;
 namespace pydflash::python {
 namespace {
 
-// Note [Entering when the GIL is free]: a worker polls at most this long, and stops once
-// the GIL's holder has been quiet (no submit, no `_condition` taken) for kQuietNs.
+// The poll's bounds (Note [Entering when the GIL is free], lane_runtime.h).
 constexpr int64_t kEnterPollNs = 300'000;
 constexpr int64_t kQuietNs = 10'000;
 

@@ -23,7 +23,9 @@ namespace pydflash::python {
 /// holder is busy with pydflash: submitting, or taking futures' `_condition`s as
 /// concurrent.futures.wait does before it blocks in a threading.Event, a wait that does
 /// not count itself. A holder quiet for a moment may have let the GIL go that way, and
-/// polling on would leave the GIL idle.
+/// polling on would leave the GIL idle: the worker polls at most kEnterPollNs, and stops
+/// once the GIL's holder has been quiet (no submit, no `_condition` taken) for kQuietNs
+/// (lane_runtime.cpp).
 class WaitingWithoutGil {
  public:
   WaitingWithoutGil() { count().fetch_add(1, std::memory_order_relaxed); }

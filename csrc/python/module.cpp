@@ -1,6 +1,6 @@
 #include <pybind11/pybind11.h>
 
-#include "cuda/device_api.h"
+#include "core/device_api.h"
 #include "python/bindings.h"
 #include "python/gil.h"
 

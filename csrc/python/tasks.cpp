@@ -3,8 +3,8 @@
 #include <new>
 #include <string>
 
+#include "core/device_api.h"
 #include "core/error.h"
-#include "cuda/device_api.h"
 #include "python/bindings.h"
 #include "python/future_object.h"
 #include "python/torch_abi.h"

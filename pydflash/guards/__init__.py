@@ -1,7 +1,8 @@
 """Guards that make what compiles kernels safe to call from several threads at once.
 
 Each guard is installed once per process, reversibly, and held by name with
-`Dispatcher(guard=...)` or `guard(names)` (by default, and with `guard_triton()`, all):
+`Dispatcher(guard=...)` or `guard(names)` (by default, and with `install_guards()`, all;
+`remove_guards()` removes them all):
 
 - 'triton': Triton's autotuner (autotuner.py, with per-thread instance state from
   per_thread.py), single-flight JIT compiles and kernel loads (jit.py), serialized
@@ -31,8 +32,10 @@ from .install import (
     GuardHandle,
     guard,
     guard_triton,
+    install_guards,
     installed,
     is_guarded,
+    remove_guards,
     select,
     unguard_triton,
 )
@@ -42,8 +45,10 @@ __all__ = [
     "GuardHandle",
     "guard",
     "guard_triton",
+    "install_guards",
     "installed",
     "is_guarded",
+    "remove_guards",
     "select",
     "unguard_triton",
 ]

@@ -56,5 +56,5 @@ class Checker:
                 f" (read for {', '.join(CHECKED_TRITON_VERSIONS)}): "
                 + "; ".join(self.problems)
                 + ". Without the guard, autotuning from several threads is unsafe; pass "
-                "Dispatcher(guard_triton=False) to run without it."
+                "Dispatcher(guard=()) to run without it."
             )

@@ -1,13 +1,14 @@
 """Installing guards by name, once per process, with reference-counted holds.
 
 Each guard is installed by its first holder and removed with its last hold (or at once
-by `unguard_triton()`). The 'triton' guard checks every part it patches against the
+by `remove_guards()`). The 'triton' guard checks every part it patches against the
 installed Triton first (checks.py) and installs all of them or none."""
 
 from __future__ import annotations
 
 import collections
 import threading
+import warnings
 from collections.abc import Callable, Iterable
 
 from . import allocator, autotuner, interpreter, jit
@@ -108,19 +109,38 @@ def guard(
         return GuardHandle({name: _installed[name] for name in selected})
 
 
-def guard_triton(*, missing_ok: bool = False) -> GuardHandle | None:
-    """Installs every guard (`guard()` with no names): the public way in, whose name
-    predates the guards that need no Triton. Without Triton: None when `missing_ok`,
-    else ImportError."""
+def install_guards(*, missing_ok: bool = False) -> GuardHandle | None:
+    """Installs every guard (`guard()` with no names) and returns the handle. Without
+    Triton: None when `missing_ok`, else ImportError."""
     return guard(None, missing_ok=missing_ok)
 
 
-def unguard_triton() -> None:
+def remove_guards() -> None:
     """Removes every guard now, whatever handles are still held."""
     with _lock:
         for name in reversed(list(_installed)):
             _installed.pop(name).uninstall()
         _holders.clear()
+
+
+def guard_triton(*, missing_ok: bool = False) -> GuardHandle | None:
+    """Deprecated: `install_guards()`, which it is (every guard, not only Triton's)."""
+    _deprecated("guard_triton()", "install_guards()")
+    return install_guards(missing_ok=missing_ok)
+
+
+def unguard_triton() -> None:
+    """Deprecated: `remove_guards()`, which it is (every guard, not only Triton's)."""
+    _deprecated("unguard_triton()", "remove_guards()")
+    remove_guards()
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f"pydflash.{old} is deprecated: it switches every guard; use pydflash.{new}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def installed() -> tuple[str, ...]:
@@ -155,7 +175,7 @@ class GuardHandle:
             mine, self._held = self._held, {}
             for name, held in reversed(mine.items()):
                 if _installed.get(name) is not held:
-                    continue  # removed by unguard_triton() since
+                    continue  # removed by remove_guards() since
                 _holders[name] -= 1
                 if not _holders[name]:
                     del _holders[name]

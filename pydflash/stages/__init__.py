@@ -1,5 +1,7 @@
-"""The stages a `Pipeline` schedules. A stage never imports the scheduler that runs it."""
+"""The stages a `Pipeline` schedules: the target's (target.py) and the drafter's
+(drafter.py). A stage never imports the scheduler that runs it."""
 
+from .drafter import DrafterStage, EagerDrafter
 from .target import EagerTarget, GraphTarget, TargetStage
 
-__all__ = ["EagerTarget", "GraphTarget", "TargetStage"]
+__all__ = ["DrafterStage", "EagerDrafter", "EagerTarget", "GraphTarget", "TargetStage"]

@@ -36,7 +36,11 @@ class TargetStage:
 
 class EagerTarget(TargetStage):
     """Calls fn(batch) on the lane under torch.no_grad(), the batch's tensors first moved
-    to the lane's device (non-blocking)."""
+    to the lane's device (non-blocking).
+
+    Args:
+        fn: the target's forward, fn(batch) -> inputs of the drafter's loss.
+    """
 
     def __init__(self, fn: Callable[[Any], Any]) -> None:
         if not callable(fn):
@@ -48,11 +52,16 @@ class EagerTarget(TargetStage):
 
 
 class GraphTarget(TargetStage):
-    """A target captured as a CUDA graph on one lane: `captured.run(*inputs)` replays it
-    and returns a Future of its static outputs (pydflash.graphs.CapturedGraph). The next
-    replay overwrites those outputs, so a task on the same lane clones them on the lane
-    stream first; the clone's future is the stage's result. `inputs(batch)` gives the
-    replay's arguments (default: the batch itself, or its items when it is a tuple)."""
+    """A target captured as a CUDA graph on one lane. The next replay overwrites the
+    graph's static outputs, so a task on the same lane clones them on the lane stream
+    first; the clone's future is the stage's result.
+
+    Args:
+        captured: the graph, e.g. a pydflash.graphs.CapturedGraph: `captured.run(*inputs)`
+            replays it and returns a Future of its static outputs.
+        inputs: inputs(batch) -> the replay's arguments; default: the batch itself, or
+            its items when it is a tuple.
+    """
 
     def __init__(self, captured: Any, inputs: Callable[[Any], tuple] | None = None) -> None:
         if not callable(getattr(captured, "run", None)):

@@ -275,7 +275,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     else:
         from pydflash import Dispatcher, compile_queue
 
-        dispatcher = Dispatcher([str(device)] * len(inputs))  # guard_triton=True by default
+        dispatcher = Dispatcher([str(device)] * len(inputs))  # every guard, by default
         futures = [lane.submit(lane_body, i) for i, lane in enumerate(dispatcher.lanes)]
         for f in futures:
             f.result()

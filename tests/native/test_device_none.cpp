@@ -1,5 +1,5 @@
+#include "core/device_api.h"
 #include "core/error.h"
-#include "cuda/device_api.h"
 #include "harness.h"
 
 using namespace pydflash;

@@ -4,8 +4,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/device_api.h"
 #include "core/device_watcher.h"
-#include "cuda/device_api.h"
 #include "harness.h"
 
 using namespace pydflash;

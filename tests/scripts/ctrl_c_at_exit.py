@@ -12,7 +12,7 @@ import pydflash
 
 
 def main() -> None:
-    d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu"], guard=())
     long = d.submit(time.sleep, 60)
     d.submit(print, "queued task ran")
     while not long.running():

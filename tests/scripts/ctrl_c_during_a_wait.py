@@ -37,7 +37,7 @@ def interrupted(wait) -> str:
 
 
 def main() -> None:
-    d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu"], guard=())
     gate = threading.Event()
     stuck = d.submit(gate.wait)
     waits = {

@@ -40,7 +40,7 @@ def outcome(future) -> dict:
 
 def main() -> None:
     gpus = torch.cuda.device_count()
-    d = pydflash.Dispatcher([0, 0] + ([1] if gpus > 1 else []), guard_triton=False)
+    d = pydflash.Dispatcher([0, 0] + ([1] if gpus > 1 else []), guard=())
     lanes = d.lanes
     report = {"gpus": gpus, "labels": [lane.label for lane in lanes]}
     report["assert"] = outcome(lanes[0].submit(assert_on_device))

@@ -12,7 +12,7 @@ import pydflash
 
 def main() -> None:
     done: list[int] = []
-    d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu"], guard=())
     fs = [d.submit(done.append, i) for i in range(50)]
     del d
     gc.collect()

@@ -21,7 +21,7 @@ def main() -> tuple:
     if sys.argv[1:] not in ([], ["--shutdown-without-wait"]):
         sys.exit(f"expected no argument or --shutdown-without-wait, got {sys.argv[1:]}")
     d = pydflash.Dispatcher(["cpu"])  # with the triton guard, as by default
-    lane = d.lanes[0]._native
+    lane = d.lanes[0]
     started = threading.Event()
 
     def running() -> None:

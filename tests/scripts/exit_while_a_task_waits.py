@@ -20,7 +20,7 @@ import pydflash
 def main() -> tuple:
     if sys.argv[1:] not in (["own-lane"], ["other-dispatcher"]):
         sys.exit(f"expected own-lane|other-dispatcher, got {sys.argv[1:]}")
-    waiting = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    waiting = pydflash.Dispatcher(["cpu"], guard=())
     lane = waiting.lanes[0]
     if sys.argv[1] == "own-lane":
         held = []
@@ -31,7 +31,7 @@ def main() -> tuple:
 
         task = lane.submit(wait_behind_itself)
     else:
-        other = pydflash.Dispatcher(["cpu"], guard_triton=False)
+        other = pydflash.Dispatcher(["cpu"], guard=())
         held = [other, other.submit(threading.Event().wait)]
         task = lane.submit(held[1].result)
     while not task.running():  # exit while it waits, not before it started

@@ -40,7 +40,7 @@ def main() -> tuple:
     if len(sys.argv) != 3 or sys.argv[1] not in kinds:
         sys.exit(f"expected busy|sleeping|waiting N, got {sys.argv[1:]}")
     forever, queued = kinds[sys.argv[1]], int(sys.argv[2])
-    d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu", "cpu"], guard=())
     stuck = d.lanes[0].submit(forever)
     futures = [
         d.lanes[0].submit(print, "queued behind the stuck task ran", i)

@@ -27,8 +27,8 @@ def report() -> None:
 
 def main() -> pydflash.Dispatcher:
     atexit.register(report)
-    live = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
-    dropped = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    live = pydflash.Dispatcher(["cpu", "cpu"], guard=())
+    dropped = pydflash.Dispatcher(["cpu"], guard=())
     for i in range(40):
         live.submit(task, "live", i)
         dropped.submit(task, "dropped", i)

@@ -38,15 +38,16 @@ def child(d: pydflash.Dispatcher, pending, finished) -> None:
         except RuntimeError as e:
             print("child", what, "RuntimeError:", e, flush=True)
     print("child finished result", finished.result(), flush=True)
-    d.shutdown()  # a no-op for the parent's lanes
-    with pydflash.Dispatcher(["cpu"], guard_triton=False) as own:
+    d.lanes[0].shutdown()  # a no-op for the parent's lanes, as is:
+    d.shutdown()
+    with pydflash.Dispatcher(["cpu"], guard=()) as own:
         power = own.submit(pow, 2, 5).result(timeout=10)
         total = own.submit(sum, [1, 2, 3]).result(timeout=10)
     print("child own", power, total, flush=True)
 
 
 def main() -> None:
-    d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu", "cpu"], guard=())
     gate = threading.Event()
     pending = d.submit(gate.wait)
     finished = d.submit(int, "5")

@@ -10,7 +10,7 @@ import torch
 
 import pydflash
 
-with pydflash.Dispatcher([0], guard_triton=False) as dispatcher:
+with pydflash.Dispatcher([0], guard=()) as dispatcher:
     lane = dispatcher.lanes[0]
     table = torch.zeros(4, device="cuda")
     index = torch.tensor([1000], device="cuda")  # out of range: the kernel asserts

@@ -24,7 +24,7 @@ def counted(self, future: cf.Future) -> None:
 
 def main() -> None:
     base._AllCompletedWaiter.add_result = counted
-    d = pydflash.Dispatcher(["cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu"], guard=())
     gate = threading.Event()
     d.submit(gate.wait)
     futures = [d.submit(int, i) for i in range(3)]

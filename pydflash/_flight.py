@@ -1,0 +1,137 @@
+"""What a pipeline has in flight: the window of microbatches between target submit and
+drafter completion (at most `depth`), the hidden-state bytes they hold, and each step's
+optimizer tasks. None of these is locked: the pipeline calls them under its condition.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._future import Future
+
+
+class Flight:
+    """One microbatch in the window: its drafter task's future, the event recorded after
+    that task's GPU work (GPU lanes), and whether the task has ended (its done callback
+    has run, so the pipeline's counts include it)."""
+
+    __slots__ = ("ended", "event", "future", "k")
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.future: Future | None = None
+        self.event: Any = None
+        self.ended = False
+
+
+class FlightWindow:
+    """The microbatches in flight, oldest first: one deque of at most `depth` flights.
+
+    Microbatch k enters once microbatch k - depth has left: its drafter task ended and
+    its GPU work passed (`leave_oldest`). Flights are consecutive microbatches of one
+    run; a run starts with the window empty."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self._flights: deque[Flight] = deque()
+
+    @property
+    def full(self) -> bool:
+        return len(self._flights) == self.depth
+
+    def oldest(self) -> Flight:
+        return self._flights[0]
+
+    def leave_oldest(self) -> Flight:
+        """Removes the oldest flight, whose task has ended; the caller waits on its event."""
+        assert self._flights[0].ended, self._flights[0].k
+        return self._flights.popleft()
+
+    def enter(self, k: int) -> Flight:
+        assert not self.full and (not self._flights or self._flights[-1].k == k - 1), k
+        flight = Flight(k)
+        self._flights.append(flight)
+        return flight
+
+    def cancel_newest(self) -> None:
+        """Removes the newest flight, whose tasks were never submitted."""
+        self._flights.pop()
+
+    def clear(self) -> None:
+        self._flights.clear()
+
+    def in_flight(self) -> int:
+        """Microbatches whose drafter task has not ended."""
+        return sum(not flight.ended for flight in self._flights)
+
+
+class HiddenBytes:
+    """The bytes of hidden states a pipeline holds: each microbatch's target result from
+    when it is produced, plus its copy on another device, until the microbatch leaves.
+
+    Invariant: `held` is the sum of the microbatches' entries, `peak` the most `held`
+    has been, and `per_microbatch` the most one entry has been. A microbatch that left
+    before its target finished is closed: its target's bytes, should they arrive, are
+    not counted, as no drafter takes them."""
+
+    def __init__(self) -> None:
+        self._by_microbatch: dict[int, int] = {}
+        self._closed: set[int] = set()
+        self._held = 0
+        self._peak = 0
+        self._per_microbatch = 0
+
+    def hold(self, k: int, nbytes: int) -> None:
+        """Counts `nbytes` more for microbatch k, unless it is closed."""
+        if nbytes == 0 or k in self._closed:
+            return
+        held = self._by_microbatch.get(k, 0) + nbytes
+        self._by_microbatch[k] = held
+        self._per_microbatch = max(self._per_microbatch, held)
+        self._held += nbytes
+        self._peak = max(self._peak, self._held)
+
+    def release(self, k: int, *, target_may_follow: bool) -> None:
+        """Microbatch k left; with target_may_follow (its drafter did not take the
+        target's result), it is closed."""
+        if target_may_follow:
+            self._closed.add(k)
+        self._held -= self._by_microbatch.pop(k, 0)
+
+    def release_all(self) -> None:
+        """Every microbatch left (the pipeline stopped); all are closed."""
+        for k in list(self._by_microbatch):
+            self.release(k, target_may_follow=True)
+
+    def new_run(self) -> None:
+        """A run starts: microbatch indices after a stop repeat earlier ones, so none is
+        closed any more."""
+        self._closed.clear()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "hidden_bytes_held": self._held,
+            "hidden_bytes_peak": self._peak,
+            "hidden_bytes_per_microbatch": self._per_microbatch,
+        }
+
+
+class StepTasks:
+    """The optimizer tasks of one step (one per drafter lane): the step is applied once
+    all of them have ended, and only if all succeeded."""
+
+    def __init__(self, count: int) -> None:
+        self._pending = count
+        self._failed = False
+
+    @property
+    def ended(self) -> bool:
+        return self._pending == 0
+
+    def task_ended(self, ok: bool) -> bool:
+        """Counts one task's end; True when it was the last and the step applied."""
+        self._failed |= not ok
+        self._pending -= 1
+        return self._pending == 0 and not self._failed

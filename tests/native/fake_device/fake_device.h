@@ -1,0 +1,11 @@
+// A fake of the device seam (csrc/core/device_api.h) for tests of what the core does
+// with CUDA objects: GPU lanes without a GPU. Streams are dummies, events are counted
+// heap objects, and work "on the device" is done at once.
+#pragma once
+
+namespace pydflash::fake_device {
+
+/// Events created and not yet destroyed.
+int live_events();
+
+}  // namespace pydflash::fake_device
