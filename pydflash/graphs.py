@@ -13,18 +13,63 @@ random ops (dropout) replays the same random numbers each launch, because only
 `replay()` advances the generator offsets. Where the torch in use has no
 `raw_cuda_graph_exec()`, `submit` and `CapturedGraph.run` fall back to calling
 `replay()` in an ordinary lane task (the launch then holds the GIL).
+
+Note [Where a replay runs]: `CapturedGraph.run` and `submit` launch natively, without the
+GIL, because between copy-in and clone nothing else needs Python. `pydflash.TargetGraphs`
+replays with `graph.replay()` inside its one Python task instead: that task pads the batch
+into the static inputs, may capture the bucket first, replays, and copies the outputs into
+a ring buffer, and every step but the launch needs Python. A native launch would split it
+into three queue entries (copy-in, launch, copy-out), which costs more than the few
+microseconds `replay()` holds the GIL for; and `replay()` keeps the generator offsets
+right should a target draw random numbers.
+
+Note [Capturing beside other lanes]: `capture_graph` is the one capture routine; `capture`
+and the graph caches (pydflash/graph_cache.py) call it from a task on the capturing lane.
+What it requires of the rest of the process:
+- Warm-up runs eagerly, beside the other lanes: kernels compile and autotune there, under
+  the Triton guard (pydflash/guards/), and, with `turn`, one lane at a time per bucket in
+  the compile queue, so the others find warm caches.
+- The capture itself (capture_begin .. capture_end) runs while every other lane of the
+  device is paused between tasks (`pydflash.quiesce.device_quiet`). torch's "thread_local"
+  capture mode only stops the capturing thread's unsafe calls; it does not make cuDNN's
+  attention plans, cuBLAS workspaces or an autotuner's `torch.cuda.synchronize` in
+  another thread safe beside a capture (seen at head_dim 256: cuDNN's `mha_graph.execute`
+  failed during capture, then "operation not permitted when stream is capturing").
+  Paused lanes have no host-side CUDA calls in flight; their queued GPU work may go on.
+- The capturing lane's stream is made idle before capture_begin, so nothing queued before
+  the capture is still using blocks the capture may be handed.
+- If the device does not quiet within `quiet_timeout`, nothing is captured: CaptureFailed
+  with kind "device busy", and a later call may try again. PYDFLASH_CAPTURE_QUIET=0
+  captures without pausing the other lanes (to show what the pause prevents).
+- A failure anywhere leaves no trace (Note [A failed capture]).
+
+Note [A failed capture]: torch's `CUDAGraph.capture_end` raises at `cudaStreamEndCapture`
+when the capture was invalidated (a host sync, an illegal call in the forward, an error
+in another thread under "global" mode) *before* it tells the caching allocator that the
+capture ended, and `reset()` releases the pool only after a successful end. The allocator
+then still records into the lane's pool, and the next capture into it raises
+"beginAllocateToPool: already recording to mempool_id". So after any failure between
+capture_begin and a complete capture_end, `capture_graph` ends the stream's capture (if it
+is still on), ends the allocator's recording into the pool (`_cuda_endAllocateToPool`) and,
+when that recording was still on, gives back the pool reference capture_begin took
+(`_cuda_releasePool`); then it resets the half-made graph. A pool left with no graph may
+not be captured into again (torch asserts its use count is positive): callers take a fresh
+pool after a failed capture when no graph of theirs holds the old one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from . import compile_queue
+from ._checks import counted
 from .errors import GraphCaptureError
 from .graph_exec import GraphWrapper, check_lane, native_launch_supported, remember_device, unwrap
 
@@ -32,7 +77,11 @@ if TYPE_CHECKING:
     from ._future import Future
     from .lane import Lane
 
-DEFAULT_WARMUP = 3
+#: Eager calls before a capture: the first compiles and autotunes, the second runs warm
+#: (and is the one timed for a policy that compares graph and eager).
+DEFAULT_WARMUP = 2
+DEFAULT_QUIET_TIMEOUT = 30.0
+QUIET_ENV = "PYDFLASH_CAPTURE_QUIET"
 
 # Each lane's worker thread, once known, to refuse a capture that would wait for itself.
 _worker_threads: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -184,8 +233,7 @@ def capture(
             raise TypeError(
                 f"expected example input {position} as a tensor, got {type(tensor).__name__}"
             )
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"expected warmup as an int >= 0, got {warmup!r}")
+    counted(warmup, "warmup", minimum=0)
     if not lane.is_gpu:
         raise GraphCaptureError(
             f"capture needs a GPU lane: a CUDA graph records GPU work, and {lane!r} is a CPU lane"
@@ -221,29 +269,198 @@ def _capture_on_lane(
     device = torch.device("cuda", lane.device_index)
     static_inputs = tuple(x.detach().to(device).clone() for x in examples)
     with torch.no_grad():
-        for _ in range(warmup):
-            fn(*static_inputs)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other lanes keep allocating and synchronising while this one
-        # captures; "global" would make their calls fail and invalidate the capture.
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
-            outputs = fn(*static_inputs)
-        except BaseException as exc:
-            # The capture was invalidated by the failure reported below; end it all the same, to
-            # leave the lane stream out of capture mode.
-            with contextlib.suppress(RuntimeError):
-                graph.capture_end()
+            captured = capture_graph(
+                partial(fn, *static_inputs),
+                lane,
+                pool=torch.cuda.graph_pool_handle() if pool is None else pool,
+                warmup=warmup,
+            )
+        except CaptureFailed as exc:
             raise GraphCaptureError(
                 f"capturing {getattr(fn, '__qualname__', fn)!s} on {lane!r} failed: {exc} "
                 "(a captured function must not synchronise with the host or change "
                 "shapes between calls)"
-            ) from exc
+            ) from exc.__cause__
+    return CapturedGraph(lane, captured.graph, static_inputs, captured.outputs)
+
+
+# --- the one capture routine -----------------------------------------------------------
+
+
+class CaptureFailed(GraphCaptureError):
+    """A capture that left no trace (Note [A failed capture]); `kind` says why in a word:
+    "capture failed" (the forward or torch raised: the cause is `__cause__`) or "device
+    busy" (the other lanes of the device did not pause in time)."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.kind, self.detail))
+
+
+@dataclass
+class Captured:
+    """What `capture_graph` made: the torch graph, what fn returned while it was captured
+    (the buffers every replay writes), and with timed=True the GPU time of the last
+    warm-up call in milliseconds (None otherwise)."""
+
+    graph: Any
+    outputs: Any
+    eager_ms: float | None = None
+
+
+def capture_graph(
+    fn: Callable[[], Any],
+    lane: Lane,
+    *,
+    pool: Any,
+    warmup: int = DEFAULT_WARMUP,
+    timed: bool = False,
+    turn: str | None = None,
+    quiet_timeout: float = DEFAULT_QUIET_TIMEOUT,
+) -> Captured:
+    """Captures fn() as a CUDA graph into memory pool `pool`, from a task on `lane`'s
+    worker (the lane stream current). fn runs `warmup` times eagerly first; with `turn`
+    (a bucket's name) the warm-up takes turns with other lanes' warm-ups of that name in
+    the compile queue; with `timed` the last warm-up call is timed on the GPU. The capture
+    itself runs while the device's other lanes are paused (Note [Capturing beside other
+    lanes]). Raises CaptureFailed, having left no trace (Note [A failed capture]); errors
+    of the warm-up propagate as they are."""
+    counted(warmup, "warmup", minimum=0)
+    eager_ms = _warm_up(fn, lane, warmup, timed, turn)
+    with _device_quiet(lane, quiet_timeout) as quiet:
+        if not quiet:
+            raise CaptureFailed(
+                "device busy",
+                f"the other lanes of cuda:{lane.device_index} did not pause within "
+                f"{quiet_timeout:g} s for a capture on {lane.label}",
+            )
+        graph = None
         try:
+            _stream_idle()
+            graph = _new_graph()
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            outputs = fn()
             graph.capture_end()
-        except RuntimeError as exc:
-            raise GraphCaptureError(f"ending the capture on {lane!r} failed: {exc}") from exc
-    return CapturedGraph(lane, graph, static_inputs, outputs)
+        except Exception as exc:
+            _leave_no_trace(graph, lane.device_index, pool)
+            detail = f"{type(exc).__name__}: {_first_line(exc)}"
+            raise CaptureFailed("capture failed", detail) from exc
+    return Captured(graph, outputs, None if eager_ms is None else eager_ms())
+
+
+def _warm_up(
+    fn: Callable[[], Any], lane: Lane, warmup: int, timed: bool, turn: str | None
+) -> Callable[[], float] | None:
+    """Runs the warm-up; returns how to read the last call's GPU time (once the stream
+    has passed it: capture_graph makes it idle before capturing), or None."""
+    if warmup == 0:
+        return None
+    timer: list[Any] = []
+
+    def warm() -> None:
+        for call in range(warmup):
+            if timed and call == warmup - 1:
+                # From an idle stream: queued behind other work, an eager call would show
+                # none of the launch gaps a graph saves.
+                _stream_idle()
+                timer.extend(_timing_events())
+                timer[0].record()
+                fn()
+                timer[1].record()
+            else:
+                fn()
+
+    if turn is None:
+        warm()
+    else:
+        compile_queue.run(f"{turn} on {lane.label}", warm, slot=turn)
+    if not timer:
+        return None
+    start, end = timer
+    return lambda: float(start.elapsed_time(end))
+
+
+# The CUDA calls a capture makes, one function each so that the CPU tests can stand in
+# for them.
+def _new_graph() -> Any:
+    import torch
+
+    return torch.cuda.CUDAGraph()
+
+
+def _stream_idle() -> None:
+    import torch
+
+    torch.cuda.current_stream().synchronize()
+
+
+def _timing_events() -> tuple[Any, Any]:
+    import torch
+
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
+def _is_capturing() -> bool:
+    import torch
+
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:
+        return True  # unknown: try to end it
+
+
+def _end_allocate_to_pool(device: int, pool: Any) -> None:
+    import torch
+
+    torch._C._cuda_endAllocateToPool(device, pool)
+
+
+def _release_pool(device: int, pool: Any) -> None:
+    import torch
+
+    torch._C._cuda_releasePool(device, pool)
+
+
+@contextlib.contextmanager
+def _device_quiet(lane: Lane, timeout: float) -> Iterator[bool]:
+    if os.environ.get(QUIET_ENV, "1") == "0":
+        yield True
+        return
+    try:
+        from .quiesce import device_quiet
+    except ImportError:  # a build without the quiesce module: nothing to pause
+        yield True
+        return
+    with device_quiet(lane, timeout=timeout) as quiet:
+        yield quiet
+
+
+def _leave_no_trace(graph: Any | None, device: int, pool: Any) -> None:
+    """Note [A failed capture]: ends what a failed capture left on, in the stream and the
+    allocator, and resets the graph."""
+    if graph is not None and _is_capturing():
+        # Invalidated or not, the capture ends here; ending an invalidated capture raises.
+        with contextlib.suppress(Exception):
+            graph.capture_end()
+    try:
+        _end_allocate_to_pool(device, pool)
+    except RuntimeError:
+        pass  # never began, or capture_end ended the recording: reset() releases the pool
+    else:
+        _release_pool(device, pool)  # the reference capture_begin took
+    if graph is not None:
+        with contextlib.suppress(Exception):
+            graph.reset()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _inputs_ready(inputs: tuple[Any, ...]) -> list[Any]:

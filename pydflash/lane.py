@@ -149,6 +149,17 @@ class Lane(concurrent.futures.Executor):
         gpu) per task, where gpu is (begin ns, end ns) on the host clock, or None."""
         return self._native.take_trace()
 
+    # --- quiet device (pydflash/quiesce.py) --------------------------------------------
+    def hold_device_quiet(self, timeout: float | None) -> bool:
+        """From a task on this lane: pauses every other lane of its device before its next
+        task; True once all are paused, False if not within `timeout` seconds (then none
+        stays paused). Use pydflash.quiesce.device_quiet, which ends it."""
+        return self._native.quiesce(timeout)
+
+    def release_device_quiet(self) -> None:
+        """Lets the lanes paused by hold_device_quiet go on."""
+        self._native.resume()
+
     # --- introspection ----------------------------------------------------------------
     def load(self) -> int:
         """Tasks queued, running or still on the GPU."""

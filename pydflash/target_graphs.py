@@ -5,315 +5,184 @@
 
 A target forward launches hundreds of small kernels with the GIL held; replayed as a
 CUDA graph it is one launch. Real batches vary in length, so `TargetGraphs` pads each
-batch on the right to a bucket, replays the graph captured for that bucket on that lane
-(capturing it on first use), and returns the outputs cut back to the real shape.
-
-Note [Bucket padding]: every tensor in the batch is [B, T, ...] (or [B]); it is padded on
-the right to [Bb, Tb, ...], the bucket, with `pad_value`. In a causal model no real
-position attends to a later one, so the real positions' outputs do not depend on the
-padding (kernels may tile a longer sequence differently: equal within the dtype's
-rounding, not bit for bit). Outputs shaped [Bb, Tb, ...] are cut to [B, T, ...], those
-shaped [Bb, ...] to [B, ...]; others are returned whole. Everything that is not a tensor
-is part of the bucket's key: a graph replays what was captured, constants included.
+batch on the right to a bucket (pydflash/buckets.py, Note [Bucket padding] and Note
+[Bucket ladder]), replays the graph captured for that bucket on that lane (capturing it on
+first use: pydflash/graph_cache.py), and returns the outputs cut back to the real shape,
+in a ring buffer (pydflash/output_ring.py, Note [Output ring]). The replay runs inside the
+lane task, not as a native launch (Note [Where a replay runs] in pydflash/graphs.py).
 
 Note [Shared graph pool]: a lane's graphs share one memory pool, so a later capture reuses
 the scratch memory of earlier ones. torch calls pool sharing safe for graphs that never
 run at once. Here every replay runs on the lane's one stream, and its outputs are copied
 out on that stream before the next replay starts, so no graph's outputs are read after
 another graph may have written over them. Captures of one bucket on several lanes take
-turns in the compile queue: the first lane warms up (compiles and autotunes) alone, the
-others find warm caches. Capture uses torch's "thread_local" error mode, so the other
-lanes keep allocating and synchronising while one lane captures.
+turns in the compile queue for their warm-up: the first lane compiles and autotunes alone,
+the others find warm caches. The capture itself pauses the device's other lanes (Note
+[Capturing beside other lanes] in pydflash/graphs.py).
 
-Note [Output ring]: a replay's outputs are copied into one of `ring` buffers of the lane
-rather than into a fresh allocation. A buffer is handed out again only once its holder
-gave it back with `release(result, event)`, and the copy into it waits on that event on
-the GPU, so the next copy cannot overwrite what the consumer still reads. When every
-buffer is still held, the copy goes to a fresh allocation (`ring_misses` in stats()).
-`Pipeline` releases each result after the drafter's backward.
+Note [When graphs pay]: a graph saves the host's launch time, nothing on the GPU. A
+forward that keeps the GPU busy without it (a 25 B target at 512 to 2048 tokens: 190 ms of
+kernels per microbatch) gains nothing, and padding costs it compute. So with policy
+"auto" each bucket's warm-up call and first replays are timed on the GPU (CUDA events,
+read once passed: no host sync), and a bucket whose graph takes at least `gpu_bound_ratio`
+of the eager time runs eagerly and unpadded from then on (`stats()["eager_buckets"]`).
+`stats()["padding_waste"]` is the fraction of processed tokens that were padding.
 
-Fallback: when no graph can serve (a length above the largest bucket, or a capture that
-fails because the forward syncs with the host or has data-dependent shapes, like MoE
-routing with `nonzero`), the batch runs eagerly, unpadded, and a GraphFallbackWarning
-says why, once per reason. A byte cap on a lane's pool (`max_pool_bytes`) refuses a
-capture that leaves the pool above it: the bucket then runs eagerly, or raises
-GraphMemoryError with on_full="raise". `max_graphs` evicts the least recently used
-graphs of a lane. On CPU lanes there are no graphs: batches take the same padded path,
-run eagerly.
+Fallback: when no graph can serve (a length above the largest bucket, a capture that
+fails, the device's other lanes not pausing in time, the pool's byte cap), the batch runs
+eagerly, unpadded, and a GraphFallbackWarning says why, once per kind; `stats()["fallbacks"]`
+counts each kind and keeps its latest detail. Only an error that the eager forward raises
+too reaches the caller. On CPU lanes there are no graphs: batches take the same padded
+path, run eagerly.
 """
 
 from __future__ import annotations
 
-import bisect
-import contextlib
 import threading
-import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from . import compile_queue
+from . import graph_cache
+from ._checks import counted
 from ._future import Future
 from ._torch_state import match_intra_op_threads
-from .errors import GraphFallbackWarning, GraphMemoryError
+from .buckets import (
+    DEFAULT_GRANULARITY,
+    Bucket,
+    batch_shape,
+    choose_bucket,
+    copy_padded,
+    cut,
+    cut_kind,
+    ladder,
+    pad,
+    resize,
+    signature,
+    sorted_sizes,
+)
+from .graph_cache import GraphCache
+from .graphs import DEFAULT_QUIET_TIMEOUT, DEFAULT_WARMUP
 from .handoff import tensors, to_lane
 from .lane import Lane
+from .output_ring import OutputRing
 from .stages import TargetStage
 
-DEFAULT_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_RING = 4
-ON_FULL = ("eager", "raise")
-
-# How an output leaf is cut back (Note [Bucket padding]).
-_WHOLE, _CUT_BATCH, _CUT_BOTH = 0, 1, 2
+ON_FULL = graph_cache.ON_FULL
+POLICIES = graph_cache.POLICIES
 
 
-@dataclass(frozen=True)
-class Bucket:
-    """A padded batch shape: `batch` sequences of `length` tokens."""
-
-    batch: int
-    length: int
-
-
-def choose_bucket(
-    batch: int, length: int, lengths: Sequence[int], batch_sizes: Sequence[int] | None
-) -> Bucket | None:
-    """The smallest bucket holding a [batch, length] batch; None when none does.
-    `lengths` and `batch_sizes` are sorted; batch_sizes None buckets each batch size alone."""
-    i = bisect.bisect_left(lengths, length)
-    if i == len(lengths):
-        return None
-    if batch_sizes is None:
-        return Bucket(batch, lengths[i])
-    j = bisect.bisect_left(batch_sizes, batch)
-    if j == len(batch_sizes):
-        return None
-    return Bucket(batch_sizes[j], lengths[i])
-
-
-def batch_shape(leaves: Sequence[Any]) -> tuple[int, int]:
-    """(B, T) shared by a batch's tensors: [B, T, ...] ones give both, [B] ones B."""
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    long = [x for x in tensors if x.dim() >= 2]
-    if not long:
-        raise ValueError(
-            "expected a batch with at least one [batch, length, ...] tensor, got "
-            + (f"tensors of shapes {[tuple(x.shape) for x in tensors]}" if tensors else "no tensor")
-        )
-    b, t = long[0].shape[:2]
-    for x in tensors:
-        if x.dim() == 0 or x.shape[0] != b or (x.dim() >= 2 and x.shape[1] != t):
-            raise ValueError(
-                f"expected every tensor of the batch as [{b}, {t}, ...] or [{b}], "
-                f"got one of shape {tuple(x.shape)}"
-            )
-    return int(b), int(t)
-
-
-def _signature(leaves: Sequence[Any]) -> tuple:
-    """What besides the bucket a graph is specific to: dtypes and trailing dims of the
-    tensors, and the values of everything else."""
-    return tuple(
-        (x.dtype, tuple(x.shape[2:]), x.dim()) if isinstance(x, torch.Tensor) else ("const", x)
-        for x in leaves
-    )
-
-
-def _pad(x: Any, bucket: Bucket, value: float) -> Any:
-    if not isinstance(x, torch.Tensor):
-        return x
-    shape = (bucket.batch, bucket.length, *x.shape[2:]) if x.dim() >= 2 else (bucket.batch,)
-    if tuple(x.shape) == shape:
-        return x
-    out = x.new_full(shape, value)
-    _copy_padded(out, x, value)
-    return out
-
-
-def _resize(x: Any, bucket: Bucket, value: float) -> Any:
-    """x cut or padded to exactly the bucket's shape."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    x = x[: bucket.batch, : bucket.length] if x.dim() >= 2 else x[: bucket.batch]
-    return _pad(x, bucket, value)
-
-
-def _copy_padded(static: torch.Tensor, x: torch.Tensor, value: float) -> None:
-    """Writes x into the top-left corner of `static` and `value` everywhere else."""
-    b = x.shape[0]
-    if x.dim() >= 2:
-        t = x.shape[1]
-        static[:b, :t].copy_(x, non_blocking=True)
-        if t < static.shape[1]:
-            static[:b, t:].fill_(value)
-    else:
-        static[:b].copy_(x, non_blocking=True)
-    if b < static.shape[0]:
-        static[b:].fill_(value)
-
-
-def _cut_kind(out: Any, bucket: Bucket) -> int:
-    if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != bucket.batch:
-        return _WHOLE
-    if out.dim() >= 2 and out.shape[1] == bucket.length:
-        return _CUT_BOTH
-    return _CUT_BATCH
-
-
-def _cut(out: Any, kind: int, b: int, t: int) -> Any:
-    if kind == _CUT_BOTH:
-        return out[:b, :t]
-    if kind == _CUT_BATCH:
-        return out[:b]
-    return out
-
-
-# --- per lane ------------------------------------------------------------------------------
 @dataclass
-class _Graph:
-    graph: Any
-    static_inputs: list[Any]  # the padded batch's leaves; tensors are the graph's inputs
-    static_outputs: list[Any]
-    out_spec: Any
-    out_cuts: list[int]
+class _Static:
+    """What a bucket's graph reads and how its outputs are cut back."""
+
+    inputs: list[Any]  # the padded batch's leaves; tensors are the graph's inputs
     bucket: Bucket
+    out_spec: Any = None
+    out_leaves: list[Any] | None = None
+    out_cuts: list[int] | None = None
 
 
-class _Ring:
-    """The lane's output buffers (Note [Output ring]). Used on the lane's worker only,
-    but for `release`, which may come from any thread: hence the lock."""
-
-    def __init__(self, slots: int) -> None:
-        self._lock = threading.Lock()
-        self._buffers: list[list[torch.Tensor] | None] = [None] * slots
-        self._free: list[bool] = [True] * slots
-        self._after: list[Any] = [None] * slots  # event the next copy into the slot waits on
-        self._by_ptr: dict[int, int] = {}  # first buffer's data_ptr -> slot
-        self._next = 0
-        self.misses = 0
-
-    def take(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Tensors shaped like `like`, in a free slot or freshly allocated."""
-        with self._lock:
-            slot = self._claim()
-            if slot is None:
-                self.misses += 1
-                return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in like]
-            buffers = self._buffers[slot]
-            if buffers is None or not _fits(buffers, like):
-                if buffers is not None:
-                    self._by_ptr.pop(buffers[0].data_ptr(), None)
-                buffers = [torch.empty(x.numel(), dtype=x.dtype, device=x.device) for x in like]
-                self._buffers[slot] = buffers
-                self._by_ptr[buffers[0].data_ptr()] = slot
-            after, self._after[slot] = self._after[slot], None
-        if after is not None:
-            torch.cuda.current_stream().wait_event(after)
-        return [buf[: x.numel()].view(x.shape) for buf, x in zip(buffers, like, strict=True)]
-
-    def _claim(self) -> int | None:
-        for step in range(len(self._free)):
-            slot = (self._next + step) % len(self._free)
-            if self._free[slot]:
-                self._free[slot] = False
-                self._next = slot + 1
-                return slot
-        return None
-
-    def give_back(self, first: torch.Tensor, event: Any) -> bool:
-        with self._lock:
-            slot = self._by_ptr.get(first.data_ptr())
-            if slot is None or self._free[slot]:
-                return False
-            self._after[slot] = event
-            self._free[slot] = True
-            return True
-
-
-def _fits(buffers: list[torch.Tensor], like: list[torch.Tensor]) -> bool:
-    return len(buffers) == len(like) and all(
-        buf.dtype == x.dtype and buf.device == x.device and buf.numel() >= x.numel()
-        for buf, x in zip(buffers, like, strict=True)
-    )
-
-
-@dataclass
-class _LaneGraphs:
-    """One lane's graphs, touched only by that lane's worker (stats under the owner's lock)."""
-
-    ring: _Ring
-    pool: Any = None
-    graphs: OrderedDict = field(default_factory=OrderedDict)  # key -> _Graph, LRU first
-    eager: dict = field(default_factory=dict)  # key -> why it runs eagerly
-    captures: int = 0
-    replays: int = 0
-    eager_runs: int = 0
-    evictions: int = 0
-    pool_bytes: int = 0
-
-
-# --- the stage -----------------------------------------------------------------------------
 class TargetGraphs(TargetStage):
     """fn(batch), a frozen target's forward, replayed as CUDA graphs per (batch, length)
     bucket on each lane that runs it. See the module's notes.
 
-    lengths: the bucket lengths (default 128 to 8192, powers of two); a longer batch runs
-        eagerly. batch_sizes: the bucket batch sizes; None (default) gives each batch size
-        its own buckets.
-    pad_value: what padding holds, or a dict of it per key of a dict batch (default 0).
-    warmup: eager calls before a capture (lazy initialisation, autotuning).
-    ring: output buffers per lane (Note [Output ring]); at least a pipeline's depth, so
-        no microbatch waits for a fresh allocation; 0 allocates every output afresh.
-    max_pool_bytes: the most a lane's graph pool may hold; on_full says what happens to a
-        capture past it: "eager" (run that bucket eagerly, warn) or "raise".
-    max_graphs: graphs kept per lane; beyond it the least recently used is dropped.
+    Args:
+        fn: the target forward, called as fn(batch) under torch.no_grad().
+        lengths: the bucket lengths; a longer batch runs eagerly. Default: 128 to 8192,
+            each doubling split into `granularity` steps (Note [Bucket ladder]).
+        granularity: steps per doubling of the default lengths (default 4: at most a
+            fifth of a bucket is padding, about 8 % on average); 1 gives powers of two.
+            Only with the default lengths.
+        batch_sizes: the bucket batch sizes; None (default) gives each batch size its
+            own buckets.
+        pad_value: what padding holds, or a dict of it per key of a dict batch (default 0).
+        warmup: eager calls before a capture (lazy initialisation, autotuning).
+        ring: output buffers per lane (Note [Output ring]); at least a pipeline's depth,
+            so no microbatch waits for a fresh allocation; 0 allocates every output afresh.
+        max_pool_bytes: the most a lane's graph pool may hold.
+        on_full: what happens to a capture past max_pool_bytes: "eager" (run that bucket
+            eagerly, warn) or "raise" (GraphMemoryError).
+        max_graphs: graphs kept per lane; beyond it the least recently used is dropped.
+        policy: "auto" (default) runs a bucket eagerly and unpadded when its graph is no
+            faster than eager (Note [When graphs pay]); "graphs" keeps every graph;
+            "eager" captures nothing and runs every batch unpadded.
+        gpu_bound_ratio: with "auto", a graph taking at least this fraction of the eager
+            forward's GPU time is dropped (default 0.9).
+        quiet_timeout: seconds a capture waits for the device's other lanes to pause
+            before the bucket runs eagerly ("device busy"); a later batch tries again.
     """
 
     def __init__(
         self,
         fn: Callable[[Any], Any],
         *,
-        lengths: Iterable[int] = DEFAULT_LENGTHS,
+        lengths: Iterable[int] | None = None,
+        granularity: int | None = None,
         batch_sizes: Iterable[int] | None = None,
         pad_value: float | dict[str, float] = 0,
-        warmup: int = 2,
+        warmup: int = DEFAULT_WARMUP,
         ring: int = DEFAULT_RING,
         max_pool_bytes: int | None = None,
         on_full: str = "eager",
         max_graphs: int | None = None,
+        policy: str = "auto",
+        gpu_bound_ratio: float = graph_cache.DEFAULT_GPU_BOUND_RATIO,
+        quiet_timeout: float = DEFAULT_QUIET_TIMEOUT,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"expected a callable target, got {type(fn).__name__}")
         self.fn = fn
-        self.lengths = _sorted_sizes(lengths, "lengths")
-        self.batch_sizes = (
-            None if batch_sizes is None else _sorted_sizes(batch_sizes, "batch_sizes")
-        )
+        if lengths is not None and granularity is not None:
+            raise ValueError("expected lengths or granularity, got both")
+        if lengths is None:
+            steps = DEFAULT_GRANULARITY if granularity is None else granularity
+            lengths = ladder(counted(steps, "granularity"))
+        self.lengths = sorted_sizes(lengths, "lengths")
+        self.batch_sizes = None if batch_sizes is None else sorted_sizes(batch_sizes, "batch_sizes")
         if not isinstance(pad_value, (int, float, dict)) or isinstance(pad_value, bool):
             raise TypeError(
                 f"expected pad_value as a number or a dict, got {type(pad_value).__name__}"
             )
         self.pad_value = pad_value
-        self.warmup_calls = _count(warmup, "warmup", minimum=0)
-        self.ring = _count(ring, "ring", minimum=0)
-        self.max_pool_bytes = (
-            None if max_pool_bytes is None else _count(max_pool_bytes, "max_pool_bytes", minimum=1)
-        )
-        if on_full not in ON_FULL:
-            raise ValueError(f"expected on_full in {ON_FULL}, got {on_full!r}")
-        self.on_full = on_full
-        self.max_graphs = (
-            None if max_graphs is None else _count(max_graphs, "max_graphs", minimum=1)
+        self.ring_slots = counted(ring, "ring", minimum=0)
+        self._cache = GraphCache(
+            f"pydflash.TargetGraphs {id(self):x}",
+            warmup=warmup,
+            max_graphs=max_graphs,
+            max_pool_bytes=max_pool_bytes,
+            on_full=on_full,
+            policy=policy,
+            gpu_bound_ratio=gpu_bound_ratio,
+            quiet_timeout=quiet_timeout,
         )
         self._lock = threading.Lock()
-        self._lanes: dict[Lane, _LaneGraphs] = {}
-        self._warned: set[str] = set()
-        self._fallbacks: dict[str, int] = {}
+        self._rings: dict[Lane, OutputRing] = {}
+        self._tokens = [0, 0]  # real, processed (padding included)
+
+    @property
+    def warmup_calls(self) -> int:
+        return self._cache.warmup
+
+    @property
+    def max_graphs(self) -> int | None:
+        return self._cache.max_graphs
+
+    @property
+    def max_pool_bytes(self) -> int | None:
+        return self._cache.max_pool_bytes
+
+    @property
+    def on_full(self) -> str:
+        return self._cache.on_full
+
+    @property
+    def policy(self) -> str:
+        return self._cache.policy
 
     # --- TargetStage ----------------------------------------------------------------------
     def submit(self, lane: Lane, batch: Any) -> Future:
@@ -321,11 +190,9 @@ class TargetGraphs(TargetStage):
         back to the batch's shape (in a ring buffer: give it back with `release`)."""
         return lane.submit(self._run, lane, batch, torch.get_num_threads())
 
-    run = submit
-
     @property
     def recycles(self) -> bool:  # type: ignore[override]
-        return self.ring > 0
+        return self.ring_slots > 0
 
     def release(self, result: Any, event: Any = None) -> None:
         """Gives `result`'s ring buffer back once `event` (a torch.cuda.Event; default:
@@ -338,7 +205,7 @@ class TargetGraphs(TargetStage):
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(first.device))
         with self._lock:
-            rings = [state.ring for state in self._lanes.values()]
+            rings = list(self._rings.values())
         for ring in rings:
             if ring.give_back(first, event):
                 return
@@ -360,10 +227,7 @@ class TargetGraphs(TargetStage):
         pads = self._pads(example, leaves)
         batches = [
             pytree.tree_unflatten(
-                [
-                    _resize(x, Bucket(batch, length), pad)
-                    for x, pad in zip(leaves, pads, strict=True)
-                ],
+                [resize(x, Bucket(batch, length), p) for x, p in zip(leaves, pads, strict=True)],
                 spec,
             )
             for batch, length in shapes
@@ -375,22 +239,33 @@ class TargetGraphs(TargetStage):
 
     def stats(self) -> dict[str, Any]:
         """Per lane label: the buckets captured (batch, length), captures, replays, eager
-        runs, evictions, ring misses and the bytes its graph pool reserves; plus the
-        fallback reasons seen, with counts."""
+        runs, evictions, graphs dropped (memory cap, policy), ring misses and the bytes its
+        graph pool reserves. "fallbacks": per kind, the count and the latest detail.
+        "eager_buckets": buckets the policy runs eagerly, with the reason and both GPU
+        timings in ms. "padding_waste": padded tokens over all tokens processed."""
+        cached = self._cache.stats()
         with self._lock:
-            lanes = {
-                lane.label: {
-                    "buckets": [(g.bucket.batch, g.bucket.length) for g in s.graphs.values()],
-                    "captures": s.captures,
-                    "replays": s.replays,
-                    "eager_runs": s.eager_runs,
-                    "evictions": s.evictions,
-                    "ring_misses": s.ring.misses,
-                    "pool_bytes": s.pool_bytes,
-                }
-                for lane, s in self._lanes.items()
+            rings = {lane.label: ring for lane, ring in self._rings.items()}
+            real, processed = self._tokens
+        lanes = {}
+        for label, s in cached["lanes"].items():
+            ring = rings.get(label)
+            lanes[label] = {
+                "buckets": [(b.batch, b.length) for b in s.pop("graphs")],
+                **s,
+                "ring_misses": 0 if ring is None else ring.misses,
             }
-            return {"lanes": lanes, "fallbacks": dict(self._fallbacks)}
+        eager_buckets = [
+            {**e, "bucket": (e["bucket"].batch, e["bucket"].length)}
+            for e in cached["eager_buckets"]
+        ]
+        return {
+            "lanes": lanes,
+            "fallbacks": cached["fallbacks"],
+            "eager_buckets": eager_buckets,
+            "padding_waste": 0.0 if processed == 0 else (processed - real) / processed,
+            "policy": self.policy,
+        }
 
     # --- on the lane's worker ----------------------------------------------------------------
     def _run(self, lane: Lane, batch: Any, threads: int) -> Any:
@@ -399,148 +274,96 @@ class TargetGraphs(TargetStage):
             batch = to_lane(batch, lane)
             leaves, spec = pytree.tree_flatten(batch)
             b, t = batch_shape(leaves)
-            state = self._state(lane)
+            cache = self._cache.lane(lane)
             bucket = choose_bucket(b, t, self.lengths, self.batch_sizes)
             if bucket is None:
                 limit = f"{self.lengths[-1]}" + (
                     "" if self.batch_sizes is None else f" x batch {self.batch_sizes[-1]}"
                 )
-                return self._eager(
-                    state,
-                    batch,
-                    "too long",
-                    f"a batch of {b} x {t} is above the largest bucket ({limit})",
+                cache.fall_back(
+                    "too long", f"a batch of {b} x {t} is above the largest bucket ({limit})"
                 )
+                return self._eager(batch, b * t)
             pads = self._pads(batch, leaves)
-            key = (bucket, spec, _signature(leaves))
-            if key in state.eager:
-                return self._eager(state, batch, *state.eager[key])
-            if not lane.is_gpu:
-                out = self.fn(pytree.tree_unflatten(self._padded(leaves, pads, bucket), spec))
-                out_leaves, out_spec = pytree.tree_flatten(out)
-                cut = [_cut(x, _cut_kind(x, bucket), b, t) for x in out_leaves]
-                return pytree.tree_unflatten(
-                    [x.clone() if isinstance(x, torch.Tensor) else x for x in cut], out_spec
-                )
-            graph = state.graphs.get(key)
-            if graph is None:
-                padded = self._padded(leaves, pads, bucket)
-                graph = self._capture(state, lane, key, bucket, padded, spec)
-                if graph is None:
-                    return self._eager(state, batch, *state.eager[key])
+            if not lane.is_gpu and self.policy != "eager":
+                return self._padded_eager(leaves, spec, pads, bucket, b, t)
+            key = (bucket, spec, signature(leaves))
+            entry = cache.get_or_capture(
+                key, lambda: self._prepare(leaves, spec, pads, bucket), label=bucket
+            )
+            if entry is None:
+                return self._eager(batch, b * t)
+            static: _Static = entry.data
+            if static.out_cuts is None:  # captured just now: the inputs are this batch's
+                out_leaves, static.out_spec = pytree.tree_flatten(entry.outputs)
+                static.out_leaves = out_leaves
+                static.out_cuts = [cut_kind(x, bucket) for x in out_leaves]
             else:
-                state.graphs.move_to_end(key)
-                for static, x, pad in zip(graph.static_inputs, leaves, pads, strict=True):
+                for buffer, x, p in zip(static.inputs, leaves, pads, strict=True):
                     if isinstance(x, torch.Tensor):
-                        _copy_padded(static, x, pad)
-            graph.graph.replay()
-            state.replays += 1
-            return self._copy_out(state, graph, b, t)
+                        copy_padded(buffer, x, p)
+            cache.replay(entry)
+            self._count_tokens(b * t, bucket.batch * bucket.length)
+            return self._copy_out(lane, static, b, t)
+
+    def _prepare(
+        self, leaves: list[Any], spec: Any, pads: list[float], bucket: Bucket
+    ) -> tuple[Callable[[], Any], _Static]:
+        # Static inputs live outside the pool: a padded copy of the batch, on this lane.
+        inputs = [
+            x.clone() if isinstance(x, torch.Tensor) else x
+            for x in self._padded(leaves, pads, bucket)
+        ]
+        batch = pytree.tree_unflatten(inputs, spec)
+        return (lambda: self.fn(batch)), _Static(inputs, bucket)
+
+    def _padded_eager(
+        self, leaves: list[Any], spec: Any, pads: list[float], bucket: Bucket, b: int, t: int
+    ) -> Any:
+        out = self.fn(pytree.tree_unflatten(self._padded(leaves, pads, bucket), spec))
+        self._count_tokens(b * t, bucket.batch * bucket.length)
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        cuts = [cut(x, cut_kind(x, bucket), b, t) for x in out_leaves]
+        return pytree.tree_unflatten(
+            [x.clone() if isinstance(x, torch.Tensor) else x for x in cuts], out_spec
+        )
+
+    def _eager(self, batch: Any, tokens: int) -> Any:
+        out = self.fn(batch)
+        self._count_tokens(tokens, tokens)
+        return out
 
     @staticmethod
     def _padded(leaves: list[Any], pads: list[float], bucket: Bucket) -> list[Any]:
         # A replay copies straight into the graph's static inputs: only the CPU path and
         # a capture need a padded copy of their own.
-        return [_pad(x, bucket, pad) for x, pad in zip(leaves, pads, strict=True)]
+        return [pad(x, bucket, p) for x, p in zip(leaves, pads, strict=True)]
 
-    def _copy_out(self, state: _LaneGraphs, graph: _Graph, b: int, t: int) -> Any:
-        outputs = zip(graph.static_outputs, graph.out_cuts, strict=True)
-        cut = [_cut(x, kind, b, t) for x, kind in outputs]
-        tensors = [x for x in cut if isinstance(x, torch.Tensor)]
-        copies = iter(state.ring.take(tensors))
+    def _copy_out(self, lane: Lane, static: _Static, b: int, t: int) -> Any:
+        outputs = zip(static.out_leaves, static.out_cuts, strict=True)
+        cuts = [cut(x, kind, b, t) for x, kind in outputs]
+        copies = iter(self._ring(lane).take([x for x in cuts if isinstance(x, torch.Tensor)]))
         out = []
-        for x in cut:
+        for x in cuts:
             if isinstance(x, torch.Tensor):
                 copy = next(copies)
                 copy.copy_(x)
                 out.append(copy)
             else:
                 out.append(x)
-        return pytree.tree_unflatten(out, graph.out_spec)
+        return pytree.tree_unflatten(out, static.out_spec)
 
-    def _capture(
-        self,
-        state: _LaneGraphs,
-        lane: Lane,
-        key: tuple,
-        bucket: Bucket,
-        padded: list[Any],
-        spec: Any,
-    ) -> _Graph | None:
-        if self.max_graphs is not None:
-            while len(state.graphs) >= self.max_graphs:
-                state.graphs.popitem(last=False)
-                state.evictions += 1
-        if state.pool is None:
-            state.pool = torch.cuda.graph_pool_handle()
-        # Static inputs live outside the pool: the padded batch is fresh on this lane.
-        static = [x.clone() if isinstance(x, torch.Tensor) else x for x in padded]
-        name = f"TargetGraphs {id(self):x} {bucket.batch}x{bucket.length}"
-
-        def capture() -> _Graph | str:
-            batch = pytree.tree_unflatten(static, spec)
-            for _ in range(self.warmup_calls):
-                self.fn(batch)
-            graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(pool=state.pool, capture_error_mode="thread_local")
-            try:
-                out = self.fn(batch)
-            except Exception as exc:  # noqa: BLE001 - any failure inside capture falls back
-                _end_failed_capture(graph)
-                return f"capture failed: {type(exc).__name__}: {_first_line(exc)}"
-            try:
-                graph.capture_end()
-            except RuntimeError as exc:
-                return f"capture failed: {_first_line(exc)}"
-            out_leaves, out_spec = pytree.tree_flatten(out)
-            return _Graph(
-                graph,
-                static,
-                out_leaves,
-                out_spec,
-                [_cut_kind(x, bucket) for x in out_leaves],
-                bucket,
-            )
-
-        captured = compile_queue.run(f"{name} on {lane.label}", capture, slot=name)
-        if isinstance(captured, str):
-            state.eager[key] = ("capture", captured)
-            return None
-        with self._lock:
-            state.captures += 1
-            state.pool_bytes = pool_bytes(state.pool, lane.device_index)
-        if self.max_pool_bytes is not None and state.pool_bytes > self.max_pool_bytes:
-            message = (
-                f"expected the graph pool of {lane.label} to stay within max_pool_bytes="
-                f"{self.max_pool_bytes}, got {state.pool_bytes} bytes after capturing bucket "
-                f"{bucket.batch} x {bucket.length}"
-            )
-            del captured
-            if self.on_full == "raise":
-                raise GraphMemoryError(message + "; raise max_pool_bytes or use fewer buckets")
-            state.eager[key] = ("memory cap", message)
-            return None
-        state.graphs[key] = captured
-        return captured
-
-    def _eager(self, state: _LaneGraphs, batch: Any, kind: str, reason: str) -> Any:
-        with self._lock:
-            state.eager_runs += 1
-            self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
-            first = kind not in self._warned
-            self._warned.add(kind)
-        if first:
-            warnings.warn(
-                f"pydflash.TargetGraphs runs eagerly: {reason}", GraphFallbackWarning, stacklevel=2
-            )
-        return self.fn(batch)
-
-    def _state(self, lane: Lane) -> _LaneGraphs:
-        state = self._lanes.get(lane)
-        if state is None:
+    def _ring(self, lane: Lane) -> OutputRing:
+        ring = self._rings.get(lane)
+        if ring is None:
             with self._lock:
-                state = self._lanes.setdefault(lane, _LaneGraphs(_Ring(self.ring)))
-        return state
+                ring = self._rings.setdefault(lane, OutputRing(self.ring_slots))
+        return ring
+
+    def _count_tokens(self, real: int, processed: int) -> None:
+        with self._lock:
+            self._tokens[0] += real
+            self._tokens[1] += processed
 
     def _pads(self, batch: Any, leaves: list[Any]) -> list[float]:
         if not isinstance(self.pad_value, dict):
@@ -556,43 +379,3 @@ class TargetGraphs(TargetStage):
 
     def __repr__(self) -> str:
         return f"<pydflash.TargetGraphs of {getattr(self.fn, '__qualname__', self.fn)!s}>"
-
-
-def pool_bytes(pool: Any, device: int | None) -> int:
-    """Bytes the caching allocator reserves for graph pool `pool` on `device`."""
-    pool = tuple(pool)
-    return sum(
-        segment["total_size"]
-        for segment in torch.cuda.memory_snapshot()
-        if tuple(segment.get("segment_pool_id", ())) == pool and segment.get("device") == device
-    )
-
-
-def _end_failed_capture(graph: Any) -> None:
-    # Leaves the lane stream out of capture mode; the capture was invalidated by the failure
-    # being reported.
-    with contextlib.suppress(RuntimeError):
-        graph.capture_end()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _sorted_sizes(values: Iterable[int], name: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(sorted(set(values)))
-    except TypeError:
-        raise TypeError(f"expected {name} as an iterable of ints, got {values!r}") from None
-    if not sizes or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes):
-        raise ValueError(f"expected {name} as positive ints, got {values!r}")
-    return sizes
-
-
-def _count(value: Any, name: str, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"expected {name} as an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"expected {name} >= {minimum}, got {value}")
-    return value

@@ -266,8 +266,8 @@ def test_capture_on_a_cpu_lane_is_impossible(cpu_lane):
             TypeError,
             "expected example input 1 as a tensor, got float",
         ),
-        (double_plus_one, (torch.zeros(2),), -1, ValueError, "expected warmup as an int >= 0"),
-        (double_plus_one, (torch.zeros(2),), True, ValueError, "expected warmup as an int >= 0"),
+        (double_plus_one, (torch.zeros(2),), -1, ValueError, "expected warmup >= 0, got -1"),
+        (double_plus_one, (torch.zeros(2),), True, TypeError, "expected warmup to be an int"),
     ],
 )
 def test_capture_argument_errors(cpu_lane, fn, inputs, warmup, error, match):

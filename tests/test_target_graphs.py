@@ -5,13 +5,14 @@ The CPU tests run the bucketed path eagerly on CPU lanes; the GPU tests capture 
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
 
 import pydflash
 from pydflash import GraphFallbackWarning, GraphMemoryError, TargetGraphs
-from pydflash.target_graphs import Bucket, batch_shape, choose_bucket
+from pydflash.buckets import Bucket, batch_shape, choose_bucket, ladder
 
 
 class CausalToy(torch.nn.Module):
@@ -60,6 +61,35 @@ def test_choose_bucket_takes_the_smallest_that_holds_the_batch(b, t, batch_sizes
     assert choose_bucket(b, t, (128, 256, 1024, 2048), batch_sizes) == expected
 
 
+def test_the_default_ladder_splits_each_doubling():
+    assert ladder(1, 128, 1024) == (128, 256, 512, 1024)
+    assert ladder(4, 128, 1024) == (
+        128,
+        160,
+        192,
+        224,
+        256,
+        320,
+        384,
+        448,
+        512,
+        640,
+        768,
+        896,
+        1024,
+    )
+    assert TargetGraphs(lambda batch: batch).lengths == ladder()
+    assert TargetGraphs(lambda batch: batch, granularity=1).lengths[:3] == (128, 256, 512)
+
+
+def test_the_default_ladder_wastes_at_most_a_tenth_on_evenly_spread_lengths():
+    lengths = ladder()
+    for low, high in [(200, 2048), (512, 2048), (1025, 8192)]:
+        padded = sum(choose_bucket(1, t, lengths, None).length for t in range(low, high + 1))
+        real = sum(range(low, high + 1))
+        assert (padded - real) / padded <= 0.10
+
+
 def test_batch_shape_requires_one_batch_and_length():
     assert batch_shape([torch.zeros(2, 5), torch.zeros(2), 3]) == (2, 5)
     with pytest.raises(ValueError, match=r"expected every tensor of the batch as \[2, 5"):
@@ -76,7 +106,11 @@ def test_batch_shape_requires_one_batch_and_length():
         ({"lengths": 7}, TypeError, "lengths as an iterable"),
         ({"batch_sizes": [-1]}, ValueError, "batch_sizes"),
         ({"ring": -1}, ValueError, "ring >= 0"),
-        ({"warmup": 1.5}, TypeError, "warmup as an int"),
+        ({"warmup": 1.5}, TypeError, "warmup to be an int"),
+        ({"granularity": 0}, ValueError, "granularity >= 1"),
+        ({"lengths": [8], "granularity": 2}, ValueError, "lengths or granularity"),
+        ({"policy": "never"}, ValueError, "policy in"),
+        ({"gpu_bound_ratio": -1.0}, ValueError, "gpu_bound_ratio > 0"),
         ({"on_full": "drop"}, ValueError, "on_full in"),
         ({"max_graphs": 0}, ValueError, "max_graphs >= 1"),
         ({"pad_value": "x"}, TypeError, "pad_value"),
@@ -130,14 +164,60 @@ def test_a_batch_above_the_largest_bucket_runs_eagerly_and_warns_once(cpu_lane):
         out = target.submit(cpu_lane, batch).result()
     with torch.no_grad():
         torch.testing.assert_close(out["hidden"], model(batch)["hidden"])
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         target.submit(cpu_lane, ids_batch(2, 30)).result()  # no second warning
     stats = target.stats()
     assert stats["lanes"][cpu_lane.label]["eager_runs"] == 2
-    assert sum(stats["fallbacks"].values()) == 2
+    assert stats["fallbacks"]["too long"]["count"] == 2
+
+
+def test_fallbacks_are_counted_per_kind_with_the_latest_detail(cpu_lane):
+    """One entry per kind, however many shapes fall back: the record does not grow with
+    the shapes seen, and the warning comes once per kind."""
+    target = TargetGraphs(lambda batch: batch["input_ids"] * 1, lengths=(8,))
+    with pytest.warns(GraphFallbackWarning) as caught:
+        for t in range(9, 41):
+            target.submit(cpu_lane, ids_batch(1, t)).result()
+    assert len([w for w in caught if issubclass(w.category, GraphFallbackWarning)]) == 1
+    fallbacks = target.stats()["fallbacks"]
+    assert list(fallbacks) == ["too long"]
+    assert fallbacks["too long"]["count"] == 32
+    assert "1 x 40 is above the largest bucket" in fallbacks["too long"]["latest"]
+
+
+def test_stats_report_the_padding_waste(cpu_lane):
+    target = TargetGraphs(lambda batch: batch["input_ids"] * 1, lengths=(8, 16))
+    assert target.stats()["padding_waste"] == 0.0
+    target.submit(cpu_lane, ids_batch(1, 5)).result()  # 8 processed, 3 of them padding
+    target.submit(cpu_lane, ids_batch(1, 16)).result()
+    stats = target.stats()
+    assert stats["padding_waste"] == pytest.approx(3 / 24)
+    assert stats["eager_buckets"] == [] and stats["policy"] == "auto"
+
+
+def test_eager_policy_runs_every_batch_unpadded(cpu_lane):
+    shapes = []
+
+    def fn(batch):
+        shapes.append(tuple(batch["input_ids"].shape))
+        return batch["input_ids"] * 1
+
+    target = TargetGraphs(fn, lengths=(8, 16), policy="eager")
+    for t in (5, 11):
+        target.submit(cpu_lane, ids_batch(2, t)).result()
+    assert shapes == [(2, 5), (2, 11)]
+    stats = target.stats()
+    assert stats["padding_waste"] == 0.0 and stats["fallbacks"] == {}
+    assert stats["lanes"][cpu_lane.label]["eager_runs"] == 2
+
+
+def test_target_graphs_is_not_a_captured_graph():
+    """TargetGraphs is a stage with submit(); it has no run() that GraphTarget would take
+    for a captured graph's."""
+    assert not hasattr(TargetGraphs, "run")
+    with pytest.raises(TypeError, match="captured graph with a run"):
+        pydflash.stages.GraphTarget(TargetGraphs(lambda batch: batch))
 
 
 def test_warmup_runs_every_length_bucket_at_the_example_batch(cpu_lane):
@@ -229,7 +309,7 @@ def _slow_consumer_check(lane, target, future, expected_sum, spin_ns):
 @gpu
 def test_gpu_bucket_outputs_equal_eager_in_bf16(gpu_lanes):
     model = CausalToy(width=64, dtype=torch.bfloat16).cuda()
-    target = TargetGraphs(model, lengths=(64, 256))
+    target = TargetGraphs(model, lengths=(64, 256), policy="graphs")
     lane = gpu_lanes[0]
     for b, t in [(2, 50), (2, 64), (3, 200), (2, 17)]:
         batch = ids_batch(b, t, device="cuda", seed=t)
@@ -320,7 +400,7 @@ def test_gpu_every_fallback_runs_eagerly_with_the_right_result(gpu_lanes, fn, re
 
 @gpu
 def test_gpu_least_recently_used_graphs_are_evicted(gpu_lanes):
-    target = TargetGraphs(CausalToy().cuda(), lengths=(8, 16, 32), max_graphs=2)
+    target = TargetGraphs(CausalToy().cuda(), lengths=(8, 16, 32), max_graphs=2, policy="graphs")
     lane = gpu_lanes[0]
     for t in (8, 16, 8, 32):  # 16 is the least recently used when 32 comes
         target.release(target.submit(lane, ids_batch(1, t, device="cuda")).wait_stream())
@@ -352,7 +432,7 @@ def test_gpu_ring_never_hands_out_a_buffer_still_being_read(gpu_lanes):
     """The consumer stalls its stream before reading each result; the target lane runs
     far ahead. A ring buffer reused before the consumer's read would change the sums."""
     model = CausalToy(width=64).cuda()
-    target = TargetGraphs(model, lengths=(32,), ring=2)
+    target = TargetGraphs(model, lengths=(32,), ring=2, policy="graphs")
     producer, consumer = gpu_lanes
     batches = [ids_batch(2, 32, device="cuda", seed=k) for k in range(24)]
     with torch.no_grad():
@@ -375,7 +455,7 @@ def test_gpu_ring_never_hands_out_a_buffer_still_being_read(gpu_lanes):
 @gpu
 def test_gpu_two_lanes_capture_one_bucket_in_turn(gpu_lanes):
     model = CausalToy(width=32).cuda()
-    target = TargetGraphs(model, lengths=(64,))
+    target = TargetGraphs(model, lengths=(64,), policy="graphs")
     start = threading.Barrier(2)
     batch = ids_batch(4, 60, device="cuda")
 
@@ -398,3 +478,88 @@ def test_gpu_two_lanes_capture_one_bucket_in_turn(gpu_lanes):
         torch.testing.assert_close(out["hidden"], expected)
     stats = target.stats()["lanes"]
     assert [s["captures"] for s in stats.values()] == [1, 1]
+
+
+def _syncs_at(length):
+    """A forward whose bucket of `length` cannot be captured: it synchronises the device."""
+
+    def forward(batch):
+        x = batch["input_ids"].float()
+        if x.shape[1] == length:
+            torch.cuda.synchronize()
+        return x * 2 + 1
+
+    return forward
+
+
+@gpu
+@pytest.mark.parametrize("failing", ["synchronize", "item"])
+def test_gpu_a_failed_capture_leaves_the_lane_able_to_capture(gpu_lanes, failing):
+    """A capture that fails inside the forward runs that batch eagerly; replays of the
+    bucket captured before it and a capture of another bucket afterwards, into the same
+    pool, still work (they raised "already recording to mempool_id" before)."""
+    if failing == "synchronize":
+        forward = _syncs_at(32)
+    else:
+
+        def forward(batch):
+            x = batch["input_ids"].float()
+            if x.shape[1] == 32 and x.sum().item() < 0:  # a host sync inside the capture
+                x = -x
+            return x * 2 + 1
+
+    target = TargetGraphs(forward, lengths=(16, 32, 64), policy="graphs")
+    lane = gpu_lanes[0]
+    for t in (16, 30, 16, 60, 30):
+        batch = ids_batch(2, t, device="cuda", seed=t)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GraphFallbackWarning)
+            out = target.submit(lane, batch).wait_stream()
+        assert torch.equal(out, batch["input_ids"].float() * 2 + 1)
+        target.release(out)
+    stats = target.stats()
+    lane_stats = stats["lanes"][lane.label]
+    assert sorted(lane_stats["buckets"]) == [(2, 16), (2, 64)]
+    assert lane_stats["captures"] == 2 and lane_stats["replays"] == 3
+    assert stats["fallbacks"]["capture failed"]["count"] == 2
+    assert not torch.cuda.is_current_stream_capturing()
+
+
+def _gpu_bound(weight):
+    def forward(batch):
+        x = batch["x"]
+        for _ in range(4):
+            x = x @ weight
+        return x
+
+    return forward
+
+
+def _launch_bound(batch):
+    x = batch["x"]
+    for _ in range(100):
+        x = x + 1
+    return x
+
+
+@gpu
+def test_gpu_auto_policy_runs_a_gpu_bound_bucket_eagerly_and_keeps_a_launch_bound_one(gpu_lanes):
+    lane = gpu_lanes[0]
+    weight = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) / 90
+    heavy = TargetGraphs(_gpu_bound(weight), lengths=(2048,))
+    light = TargetGraphs(_launch_bound, lengths=(64,))
+    x_heavy = torch.randn(1, 2000, 8192, device="cuda", dtype=torch.bfloat16)
+    x_light = torch.randn(2, 60, 8, device="cuda")
+    for _ in range(5):
+        got = heavy.submit(lane, {"x": x_heavy}).wait_stream()
+        torch.testing.assert_close(got, _gpu_bound(weight)({"x": x_heavy}), rtol=2e-2, atol=2e-2)
+        heavy.release(got)
+        light.release(light.submit(lane, {"x": x_light}).wait_stream())
+    torch.cuda.synchronize()
+    (dropped,) = heavy.stats()["eager_buckets"]
+    assert dropped["bucket"] == (1, 2048) and dropped["graph_ms"] >= 0.9 * dropped["eager_ms"]
+    heavy_lane = heavy.stats()["lanes"][lane.label]
+    assert heavy_lane["buckets"] == [] and heavy_lane["eager_runs"] >= 2
+    assert heavy.stats()["padding_waste"] < 48 / 2048  # the eager runs are unpadded
+    assert light.stats()["eager_buckets"] == []
+    assert light.stats()["lanes"][lane.label]["replays"] == 5

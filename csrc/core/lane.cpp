@@ -50,6 +50,15 @@ int64_t next_spin_ns(int64_t now_spin, int64_t base, bool slept, int64_t idle_ns
   return std::min(std::max(now_spin * 2, base), std::max(base, kMaxSpinNs));
 }
 
+// Posted by a quiesce to each lane of the device: popping it brings a worker asleep on
+// an empty queue to its pause check (Note [Quiet device for capture]).
+class QuietCheck final : public TaskBody {
+ public:
+  bool needs_interpreter() const override { return false; }
+  bool run(Lane&, FutureState*) override { return true; }
+  std::string label() const override { return "quiet check"; }
+};
+
 }  // namespace
 
 Lane::Lane(int index, int device, std::shared_ptr<Interpreter> interpreter, LaneOptions options)
@@ -59,7 +68,8 @@ Lane::Lane(int index, int device, std::shared_ptr<Interpreter> interpreter, Lane
       fork_generation_(fork_generation()),
       interpreter_(std::move(interpreter)),
       options_(options),
-      in_interpreter_(in_interpreter_flag()) {
+      in_interpreter_(in_interpreter_flag()),
+      quiet_(QuietDevice::of(options.quiet_device.value_or(device))) {
   PYDFLASH_INTERNAL_ASSERT(interpreter_ != nullptr);
   spin_ns_.store(options.spin_ns, std::memory_order_relaxed);
   if (is_gpu()) {
@@ -103,6 +113,9 @@ void Lane::start() {
   PYDFLASH_INTERNAL_ASSERT(thread_ == nullptr);
   // The worker keeps the lane alive until it exits.
   auto self = shared_from_this();
+  // A member before its first task: a quiesce from now on waits for this lane too.
+  quiet_member_.poke = [this] { post_internal(std::make_unique<QuietCheck>()); };
+  quiet_.join(quiet_member_);
   thread_ = new std::thread([self] { self->worker_main(); });
 }
 
@@ -220,6 +233,25 @@ void Lane::record_event(FutureState& future) {
   future.set_event(device_, event);
 }
 
+bool Lane::quiesce(double timeout_s) {
+  PYDFLASH_CHECK_STATE(!forked(), "cannot quiet the device of lane ", index_, " in a forked child");
+  PYDFLASH_CHECK_STATE(quiet_member_.worker.load() == std::this_thread::get_id(),
+                       "expected a call from a task running on lane ", index_,
+                       ", got one from another thread");
+  return quiet_.quiesce(quiet_member_, timeout_s);
+}
+
+void Lane::resume() {
+  PYDFLASH_CHECK_STATE(!forked(), "cannot quiet the device of lane ", index_, " in a forked child");
+  PYDFLASH_CHECK_STATE(quiet_.resume(quiet_member_), "expected lane ", index_,
+                       " to hold its device quiet, but it holds none");
+}
+
+void Lane::pause_for_quiet() {
+  leave();  // paused lanes hold no GIL
+  quiet_.pause(quiet_member_);
+}
+
 void Lane::set_tracing(bool on) {
   std::lock_guard<std::mutex> lock(trace_mutex_);
   if (on && !tracing_.load()) {
@@ -271,6 +303,12 @@ void Lane::leave() {
 void Lane::worker_main() {
   if (is_gpu()) device::set_device(device_);
   interpreter_->thread_started(*this);
+  quiet_member_.worker.store(std::this_thread::get_id());
+  // Leaves the device however the loop ends, also when this thread is ended at exit.
+  struct LeaveQuiet {
+    Lane& lane;
+    ~LeaveQuiet() { lane.quiet_.leave(lane.quiet_member_); }
+  } leave_quiet{*this};
   Task task;
   int64_t spin_ns = options_.spin_ns;
   for (;;) {
@@ -283,6 +321,8 @@ void Lane::worker_main() {
       spin_ns = next_spin_ns(spin_ns, options_.spin_ns, slept, now_ns() - idle_since);
       spin_ns_.store(spin_ns, std::memory_order_relaxed);
     }
+    // Note [Quiet device for capture]: the one check on the hot path.
+    if (quiet_.requested()) pause_for_quiet();
     try {
       run_one(task);
     } catch (...) {
@@ -295,6 +335,7 @@ void Lane::worker_main() {
     }
     task.future.reset();
   }
+  quiet_.leave(quiet_member_);  // before exited_: a joiner finds the lane off its device
   leave();
   interpreter_->thread_exiting();
   {

@@ -9,11 +9,13 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "core/device_api.h"
+#include "core/device_quiet.h"
 #include "core/device_watcher.h"
 #include "core/future.h"
 #include "core/task_queue.h"
@@ -58,6 +60,9 @@ struct Task {
 struct LaneOptions {
   int64_t spin_ns = 50'000;  // how long an idle worker polls before sleeping, at first
   int stream_priority = 0;
+  /// The device whose quiets pause this lane (Note [Quiet device for capture]); the
+  /// lane's own by default. Tests give CPU lanes others.
+  std::optional<int> quiet_device;
 };
 
 struct LaneStats {
@@ -142,6 +147,14 @@ class Lane : public std::enable_shared_from_this<Lane> {
   /// nothing on CPU lanes), for results and handoffs. On the worker only.
   void record_event(FutureState& future);
 
+  /// Note [Quiet device for capture]. From a task on this lane's worker (StateError
+  /// otherwise): pauses every other lane of its device; see QuietDevice::quiesce.
+  bool quiesce(double timeout_s);
+  /// Ends a quiesce() that returned true; StateError when this lane holds no quiet.
+  void resume();
+  QuietStats quiet_stats() { return forked() ? QuietStats{} : quiet_.stats(quiet_member_); }
+  int quiet_device() const { return quiet_.device(); }
+
   /// Turning tracing on drops the records gathered so far.
   void set_tracing(bool on);
   bool tracing() const { return tracing_.load(std::memory_order_relaxed); }
@@ -159,6 +172,7 @@ class Lane : public std::enable_shared_from_this<Lane> {
   /// Enter or leave the interpreter; entered_ says which the worker is in.
   void enter();
   void leave();
+  void pause_for_quiet();
 
   const int index_;
   const int device_;
@@ -193,6 +207,9 @@ class Lane : public std::enable_shared_from_this<Lane> {
   std::mutex exit_mutex_;
   std::condition_variable exit_cv_;
   bool exited_ = false;
+
+  QuietDevice& quiet_;
+  QuietMember quiet_member_;
 
   std::atomic<bool> tracing_{false};
   std::mutex trace_mutex_;

@@ -261,6 +261,13 @@ void init_lane(py::module_& m) {
              d["busy_s"] = s.busy_ns * 1e-9;
              d["queue_wait_s"] = s.queue_wait_ns * 1e-9;
              d["spin_us"] = s.spin_ns * 1e-3;
+             // Note [Quiet device for capture]
+             QuietStats q = l.lane->quiet_stats();
+             d["pauses"] = q.pauses;
+             d["paused_s"] = q.paused_ns * 1e-9;
+             d["quiets"] = q.quiets;
+             d["quiet_timeouts"] = q.quiet_timeouts;
+             d["quiet_wait_s"] = q.quiet_wait_ns * 1e-9;
              return d;
            })
       .def(
@@ -282,6 +289,17 @@ void init_lane(py::module_& m) {
       .def_property_readonly("closed", [](const PyLane& l) { return l.lane->closed(); })
       .def_property_readonly("exited", [](PyLane& l) { return l.lane->exited(); })
       .def_property_readonly("forked", [](const PyLane& l) { return l.lane->forked(); })
+      .def(
+          "quiesce",
+          [](PyLane& l, py::object timeout) {
+            const double t = parse_timeout(timeout.ptr());
+            if (t == -2.0) throw py::error_already_set();
+            // The other lanes need the GIL to finish their tasks.
+            py::gil_scoped_release nogil;
+            return l.lane->quiesce(t);
+          },
+          py::arg("timeout"))
+      .def("resume", [](PyLane& l) { l.lane->resume(); })
       .def("set_tracing", [](PyLane& l, bool on) { l.lane->set_tracing(on); })
       .def("take_trace", [](PyLane& l) {
         // Off the hot path: waits for the GPU spans' events and converts them to

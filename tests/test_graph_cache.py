@@ -1,0 +1,401 @@
+"""The graph cache (pydflash/graph_cache.py) and the one capture routine under it
+(pydflash.graphs.capture_graph), on CPU: the CUDA calls a capture makes are stood in for
+by fakes that keep torch's bookkeeping (a pool's use count, the allocator's recordings),
+so a failure can be injected at each point of a capture."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+import pytest
+
+from pydflash import GraphFallbackWarning, GraphMemoryError, graph_cache, graphs
+from pydflash.graph_cache import BUSY_RETRIES, GraphCache
+
+
+class FakeAllocator:
+    """torch's caching allocator as a capture sees it: capture_begin takes a reference to
+    the pool and starts recording into it; capture_end stops recording; reset() of an
+    ended graph gives the reference back."""
+
+    def __init__(self):
+        self.use_count: dict = {}
+        self.recording: list = []
+
+    def begin(self, pool):
+        if pool in self.use_count:
+            assert self.use_count[pool] > 0, "a pool with no graph is captured into again"
+            self.use_count[pool] += 1
+        else:
+            self.use_count[pool] = 1
+        if pool in self.recording:
+            raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
+        self.recording.append(pool)
+
+    def end(self, device, pool):
+        if pool not in self.recording:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        self.recording.remove(pool)
+
+    def release(self, device, pool):
+        self.use_count[pool] -= 1
+        assert self.use_count[pool] >= 0
+
+
+class FakeCudaGraph:
+    """torch.cuda.CUDAGraph's capture bookkeeping, with its order of failure: an
+    invalidated capture raises at the stream's end of capture, before the allocator is
+    told (aten/src/ATen/cuda/CUDAGraph.cpp)."""
+
+    def __init__(self, cuda):
+        self.cuda = cuda
+        self.ended = False
+        self.replays = 0
+
+    def capture_begin(self, pool, capture_error_mode):
+        assert capture_error_mode == "thread_local"
+        self.pool = pool
+        self.cuda.allocator.begin(pool)
+        if self.cuda.fail_at == "capture_begin":
+            raise RuntimeError("CUDA error: operation not permitted (begin)")
+        self.cuda.capturing = True
+
+    def capture_end(self):
+        self.cuda.capturing = False
+        if self.cuda.invalidated or self.cuda.fail_at == "capture_end":
+            self.cuda.invalidated = False
+            raise RuntimeError(
+                "CUDA error: operation failed due to a previous error during capture"
+            )
+        self.cuda.allocator.end(0, self.pool)
+        self.ended = True
+
+    def reset(self):
+        if self.ended:
+            self.cuda.allocator.release(0, self.pool)
+            self.ended = False
+
+    def replay(self):
+        self.replays += 1
+
+    def __del__(self):
+        self.reset()  # as torch's destructor does
+
+
+class FakeCuda:
+    def __init__(self):
+        self.allocator = FakeAllocator()
+        self.capturing = False
+        self.invalidated = False
+        self.fail_at = None
+        self.quiet = True
+        self.made = 0
+
+    def new_graph(self):
+        self.made += 1
+        return FakeCudaGraph(self)
+
+    def stream_idle(self):
+        if self.fail_at == "stream_idle":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def host_sync(self):
+        """What `.item()` does inside a capture: the capture is invalidated, and it raises."""
+        if self.capturing:
+            self.invalidated = True
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    @contextlib.contextmanager
+    def device_quiet(self, lane, timeout):
+        yield self.quiet
+
+
+class FakeEvent:
+    """A CUDA timing event that has passed, at `at` ms."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def record(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end):
+        return end.at - self.at
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    fake = FakeCuda()
+    monkeypatch.setattr(graphs, "_new_graph", fake.new_graph)
+    monkeypatch.setattr(graphs, "_stream_idle", fake.stream_idle)
+    monkeypatch.setattr(graphs, "_is_capturing", lambda: fake.capturing)
+    monkeypatch.setattr(graphs, "_end_allocate_to_pool", fake.allocator.end)
+    monkeypatch.setattr(graphs, "_release_pool", fake.allocator.release)
+    monkeypatch.setattr(graphs, "_device_quiet", fake.device_quiet)
+    pools = iter(range(1, 1000))
+    monkeypatch.setattr(graph_cache, "_new_pool", lambda: (0, next(pools)))
+    monkeypatch.setattr(graph_cache, "pool_bytes", lambda pool, device: 0)
+    return fake
+
+
+class FakeLane:
+    label = "cuda:0/0"
+    device_index = 0
+
+
+LANE = FakeLane()
+
+
+def forward(cuda, fail=False):
+    def fn():
+        if fail:
+            cuda.host_sync()
+        return "out"
+
+    return fn
+
+
+# --- the capture routine: a failure at each point leaves no trace --------------------------
+POINTS = ["stream_idle", "capture_begin", "forward", "forward_python", "capture_end"]
+
+
+def _inject(cuda, point):
+    if point in ("stream_idle", "capture_begin", "capture_end"):
+        cuda.fail_at = point
+        return forward(cuda)
+    if point == "forward":
+        return forward(cuda, fail=True)
+
+    def raises_without_invalidating():
+        raise ValueError("a Python error inside the forward")
+
+    return raises_without_invalidating
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_failed_capture_leaves_no_trace(cuda, point):
+    pool = (0, 7)
+    kept = graphs.capture_graph(forward(cuda), LANE, pool=pool, warmup=0)  # holds the pool
+    with pytest.raises(graphs.CaptureFailed) as failed:
+        graphs.capture_graph(_inject(cuda, point), LANE, pool=pool, warmup=0)
+    assert failed.value.kind == "capture failed"
+    assert not cuda.capturing and cuda.allocator.recording == []
+    assert cuda.allocator.use_count[pool] == 1  # only the kept graph's reference
+    cuda.fail_at = None
+    again = graphs.capture_graph(forward(cuda), LANE, pool=pool, warmup=0)
+    assert again.outputs == "out" and cuda.allocator.use_count[pool] == 2
+    del kept
+
+
+def test_the_warm_up_runs_outside_the_capture_and_errors_from_it_propagate(cuda):
+    calls = []
+
+    def fn():
+        calls.append(cuda.capturing)
+        if len(calls) == 1:
+            raise KeyError("warm-up")
+        return "out"
+
+    with pytest.raises(KeyError):
+        graphs.capture_graph(fn, LANE, pool=(0, 1), warmup=2)
+    assert cuda.made == 0  # nothing began
+    graphs.capture_graph(fn, LANE, pool=(0, 1), warmup=2)
+    assert calls == [False, False, False, True]
+
+
+def test_a_device_that_does_not_quiet_is_busy_and_nothing_is_captured(cuda):
+    cuda.quiet = False
+    with pytest.raises(graphs.CaptureFailed) as failed:
+        graphs.capture_graph(forward(cuda), LANE, pool=(0, 1), warmup=1, quiet_timeout=0.5)
+    assert failed.value.kind == "device busy" and "0.5 s" in str(failed.value)
+    assert cuda.made == 0 and cuda.allocator.recording == []
+
+
+def test_quiet_env_switch_skips_the_pause(monkeypatch):
+    monkeypatch.setenv(graphs.QUIET_ENV, "0")
+    with graphs._device_quiet(LANE, 0.0) as quiet:
+        assert quiet is True
+
+
+# --- the cache: fallbacks, retries, eviction, cap ------------------------------------------
+def test_a_failed_capture_runs_eagerly_and_later_keys_still_capture(cuda):
+    cache = GraphCache("stage", warmup=0)
+    lane = cache.lane(LANE)
+    assert lane.get_or_capture("a", lambda: (forward(cuda), "data")).data == "data"
+    with pytest.warns(GraphFallbackWarning, match=r"\(capture failed\).*not permitted"):
+        assert lane.get_or_capture("b", lambda: (forward(cuda, fail=True), None)) is None
+    assert lane.get_or_capture("c", lambda: (forward(cuda), None)) is not None  # same pool
+    assert (
+        lane.get_or_capture("b", lambda: pytest.fail("the failed key is not captured again"))
+        is None
+    )
+    stats = cache.stats()
+    assert stats["fallbacks"]["capture failed"]["count"] == 2
+    assert stats["lanes"][LANE.label]["graphs"] == ["a", "c"]
+    assert stats["lanes"][LANE.label]["eager_runs"] == 2
+    assert cuda.allocator.recording == []
+
+
+@pytest.mark.parametrize("error", [MemoryError("out of memory"), ZeroDivisionError("x")])
+def test_any_error_while_capturing_is_a_fallback_not_a_crash(cuda, error):
+    def make():
+        raise error
+
+    cache = GraphCache("stage", warmup=0)
+    with pytest.warns(GraphFallbackWarning, match=type(error).__name__):
+        assert cache.lane(LANE).get_or_capture("k", make) is None
+
+
+def test_a_busy_device_is_retried_then_given_up(cuda):
+    cuda.quiet = False
+    cache = GraphCache("stage", warmup=0)
+    lane = cache.lane(LANE)
+    with pytest.warns(GraphFallbackWarning, match="did not pause"):
+        assert lane.get_or_capture("k", lambda: (forward(cuda), None)) is None
+    cuda.quiet = True
+    assert lane.get_or_capture("k", lambda: (forward(cuda), None)) is not None  # retried
+    cuda.quiet = False
+    for _ in range(BUSY_RETRIES):
+        assert lane.get_or_capture("j", lambda: (forward(cuda), None)) is None
+    cuda.quiet = True
+    assert lane.get_or_capture("j", lambda: pytest.fail("given up")) is None
+    assert cache.stats()["fallbacks"]["device busy"]["count"] == BUSY_RETRIES + 2
+
+
+def test_least_recently_used_graphs_are_evicted(cuda):
+    cache = GraphCache("stage", warmup=0, max_graphs=2)
+    lane = cache.lane(LANE)
+    for key in ("a", "b", "a", "c"):  # b is the least recently used when c comes
+        lane.get_or_capture(key, lambda: (forward(cuda), None))
+    stats = cache.stats()["lanes"][LANE.label]
+    assert stats["graphs"] == ["a", "c"] and stats["evictions"] == 1 and stats["captures"] == 3
+
+
+@pytest.mark.parametrize("on_full", ["eager", "raise"])
+def test_the_pool_cap_runs_eagerly_or_raises(cuda, monkeypatch, on_full):
+    monkeypatch.setattr(graph_cache, "pool_bytes", lambda pool, device: 100)
+    cache = GraphCache("stage", warmup=0, max_pool_bytes=10, on_full=on_full)
+    lane = cache.lane(LANE)
+    if on_full == "raise":
+        with pytest.raises(GraphMemoryError, match="max_pool_bytes=10, got 100"):
+            lane.get_or_capture("k", lambda: (forward(cuda), None))
+    else:
+        with pytest.warns(GraphFallbackWarning, match="max_pool_bytes=10"):
+            assert lane.get_or_capture("k", lambda: (forward(cuda), None)) is None
+    stats = cache.stats()["lanes"][LANE.label]
+    assert stats["graphs"] == [] and stats["dropped"] == 1
+
+
+@pytest.mark.filterwarnings("ignore::pydflash.GraphFallbackWarning")
+def test_a_lane_with_no_graph_left_takes_a_fresh_pool(cuda):
+    """torch asserts a pool's use count is positive when a capture shares it: a pool
+    whose graphs are all gone (a failed first capture, evictions) is never captured into
+    again (FakeAllocator asserts it)."""
+    cache = GraphCache("stage", warmup=0, max_graphs=1)
+    lane = cache.lane(LANE)
+    assert lane.get_or_capture("a", lambda: (forward(cuda, fail=True), None)) is None
+    assert lane.get_or_capture("b", lambda: (forward(cuda), None)) is not None
+    assert lane.get_or_capture("c", lambda: (forward(cuda), None)) is not None  # evicts b
+    assert cache.stats()["lanes"][LANE.label]["graphs"] == ["c"]
+
+
+# --- the policy -----------------------------------------------------------------------------
+@pytest.mark.parametrize(("graph_ms", "kept"), [(9.5, False), (4.0, True)])
+def test_auto_policy_drops_a_graph_no_faster_than_eager(cuda, monkeypatch, graph_ms, kept):
+    spent = iter([10.0, graph_ms, graph_ms])  # the warm-up call, then two replays
+
+    def events():
+        return FakeEvent(0.0), FakeEvent(next(spent))
+
+    monkeypatch.setattr(graphs, "_timing_events", events)
+    cache = GraphCache("stage", warmup=1)
+    lane = cache.lane(LANE)
+    for _ in range(3):
+        entry = lane.get_or_capture("k", lambda: (forward(cuda), None), label=(2, 512))
+        if entry is None:
+            break
+        lane.replay(entry)
+    again = lane.get_or_capture("k", lambda: pytest.fail("not captured again"), label=(2, 512))
+    stats = cache.stats()
+    assert (again is not None) == kept
+    if kept:
+        assert stats["eager_buckets"] == []
+    else:
+        (dropped,) = stats["eager_buckets"]
+        assert dropped["bucket"] == (2, 512) and dropped["eager_ms"] == 10.0
+        assert dropped["graph_ms"] == 9.5 and "GPU-bound" in dropped["reason"]
+        assert stats["fallbacks"] == {}  # the policy's choice is no fallback
+        assert stats["lanes"][LANE.label]["dropped"] == 1
+
+
+def test_eager_policy_captures_nothing(cuda):
+    cache = GraphCache("stage", policy="eager")
+    lane = cache.lane(LANE)
+    assert lane.get_or_capture("k", lambda: pytest.fail("captured")) is None
+    assert cache.stats()["lanes"][LANE.label]["eager_runs"] == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"on_full": "drop"}, ValueError, "on_full in"),
+        ({"policy": "sometimes"}, ValueError, "policy in"),
+        ({"gpu_bound_ratio": 0}, ValueError, "gpu_bound_ratio > 0"),
+        ({"gpu_bound_ratio": "1"}, TypeError, "gpu_bound_ratio to be a number"),
+        ({"max_graphs": 0}, ValueError, "max_graphs >= 1"),
+        ({"warmup": -1}, ValueError, "warmup >= 0"),
+    ],
+)
+def test_argument_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        GraphCache("stage", **kwargs)
+
+
+# --- stats from any thread while the lane's worker changes the cache ------------------------
+def test_stats_is_consistent_while_another_thread_captures_evicts_and_replays(cuda):
+    """The lane's worker captures, evicts and replays while another thread reads stats();
+    every snapshot must be whole: no "mutated during iteration", and captures equal
+    evictions plus graphs held."""
+    cache = GraphCache("stage", warmup=0, max_graphs=3)
+    lane = cache.lane(LANE)
+    start = threading.Barrier(2)
+    done = threading.Event()
+    errors = []
+
+    def worker():
+        start.wait()
+        try:
+            for i in range(20_000):
+                entry = lane.get_or_capture(i % 7, lambda: (forward(cuda), None))
+                lane.replay(entry)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            done.set()
+
+    def reader():
+        start.wait()
+        try:
+            while not done.is_set():
+                s = cache.stats()["lanes"][LANE.label]
+                assert s["captures"] == s["evictions"] + len(s["graphs"]), s
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            done.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=worker), threading.Thread(target=reader)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
