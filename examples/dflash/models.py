@@ -296,9 +296,15 @@ class BlockDrafter(nn.Module):
         x = self.norm(x).reshape(batch, n, block, -1)[:, :, 1:]
         return self.lm_head(x.to(self.lm_head.weight.dtype))
 
-    def forward(self, features: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The training loss (forward returns it, so DistributedDataParallel sees the call):
-        cross entropy of the block predictions, position i weighted by decay ** (i - 1)."""
+        cross entropy of the block predictions, position i weighted by decay ** (i - 1),
+        averaged over the blocks. `lengths` [B] (a device tensor) gives each row's real
+        length in a right-padded batch: only blocks that end within it count, and the
+        average is over them, so padding changes nothing (pydflash's Note [Padding
+        contract]). None: every position is real."""
         logits = self.predict(features, input_ids).float()
         anchors = self.anchors(input_ids.shape[1], input_ids.device)
         offsets = torch.arange(1, self.cfg.block, device=input_ids.device)
@@ -306,4 +312,7 @@ class BlockDrafter(nn.Module):
         losses = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none")
         weights = self.cfg.decay ** (offsets - 1).float()
         losses = losses.view(*labels.shape) * weights
-        return losses.sum() / (weights.sum() * labels.shape[0] * labels.shape[1])
+        if lengths is None:
+            return losses.sum() / (weights.sum() * labels.shape[0] * labels.shape[1])
+        real = (anchors[None, :] + self.cfg.block <= lengths[:, None]).float()  # [B, blocks]
+        return (losses * real[..., None]).sum() / (weights.sum() * real.sum())
