@@ -8,6 +8,7 @@ CPU with a recording stand-in for the capture; the GPU tests capture real graphs
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -373,3 +374,133 @@ def test_step_losses_are_read_once_when_asked(lanes):
     first = step.losses()
     assert all(isinstance(x, float) for x in first) and len(first) == 2
     assert step.losses() == first and step.loss() == sum(first) / 2
+
+
+# --- on a GPU --------------------------------------------------------------------------------
+@pytest.fixture
+def gpu_lanes():
+    dispatcher = pydflash.Dispatcher(["cuda:0"] * 2)
+    yield dispatcher.lanes
+    dispatcher.shutdown(cancel_futures=True)
+
+
+def on_gpu(data: list[dict]) -> list[dict]:
+    return [{k: t.cuda() for k, t in x.items()} for x in data]
+
+
+def make_gpu(kind, lanes, *, loss=masked_loss, scheduler=None, **kwargs):
+    drafter = Toy().cuda()
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=0.05)
+    stage = kind(
+        lanes[:1],
+        drafter=drafter,
+        loss=loss,
+        optimizer=optimizer,
+        accumulate=2,
+        scheduler=None if scheduler is None else scheduler(optimizer),
+        **kwargs,
+    )
+    return stage, drafter
+
+
+GRAPHS = dict(lengths=(4, 8, 16), policy="graphs")  # keep every graph, however fast
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_gpu_replayed_steps_train_as_the_eager_drafter_does(gpu_lanes, clip):
+    data = on_gpu(microbatches(16, seed=2))
+    eager, eager_drafter = make_gpu(EagerDrafter, gpu_lanes, clip_grad_norm=clip)
+    graphs_, graph_drafter = make_gpu(DrafterGraphs, gpu_lanes, clip_grad_norm=clip, **GRAPHS)
+    expected = train_steps(eager, data), eager_drafter
+    got = train_steps(graphs_, data), graph_drafter
+    assert_same_training(got, expected, rtol=1e-4, atol=1e-5)
+    stats = graphs_.stats()
+    lane = stats["lanes"][gpu_lanes[0].label]
+    buckets = {
+        (x["h"].shape[0], 4 if x["h"].shape[1] <= 4 else 8 if x["h"].shape[1] <= 8 else 16)
+        for x in data
+    }
+    assert sorted(lane["buckets"]) == sorted(buckets)
+    assert (lane["step"], lane["step_eager_runs"], lane["step_replays"]) == ("graph", 1, 7)
+    assert stats["fallbacks"] == {}
+
+
+@pytest.mark.gpu
+def test_gpu_a_scheduled_lr_reaches_the_captured_step(gpu_lanes):
+    data = on_gpu(microbatches(16, seed=3))
+    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))  # noqa: E731
+    eager, eager_drafter = make_gpu(EagerDrafter, gpu_lanes, scheduler=schedule)
+    graphs_, graph_drafter = make_gpu(DrafterGraphs, gpu_lanes, scheduler=schedule, **GRAPHS)
+    expected = train_steps(eager, data), eager_drafter
+    got = train_steps(graphs_, data), graph_drafter
+    assert_same_training(got, expected, rtol=1e-4, atol=1e-5)
+    assert graphs_.stats()["lanes"][gpu_lanes[0].label]["step_replays"] == 7
+
+
+@pytest.mark.gpu
+def test_gpu_a_loss_that_syncs_runs_eagerly_and_says_why(gpu_lanes):
+    def syncing(drafter, inputs, lengths=None):
+        loss = masked_loss(drafter, inputs, lengths)
+        assert loss.item() > 0  # a host sync: cannot be captured
+        return loss
+
+    data = on_gpu(microbatches(4, seed=4))
+    eager, eager_drafter = make_gpu(EagerDrafter, gpu_lanes, loss=syncing)
+    graphs_, graph_drafter = make_gpu(DrafterGraphs, gpu_lanes, loss=syncing, **GRAPHS)
+    expected = train_steps(eager, data), eager_drafter
+    with pytest.warns(GraphFallbackWarning, match="runs eagerly"):
+        got = train_steps(graphs_, data), graph_drafter
+    assert_same_training(got, expected, rtol=1e-4, atol=1e-5)
+    assert "capture failed" in graphs_.stats()["fallbacks"]
+
+
+@pytest.mark.gpu
+def test_gpu_least_recently_used_graphs_are_evicted(gpu_lanes):
+    stage, _ = make_gpu(DrafterGraphs, gpu_lanes, max_graphs=1, **GRAPHS)
+    for t in (3, 7, 3):
+        x = {
+            "h": torch.randn(1, t, WIDTH, device="cuda"),
+            "y": torch.randint(0, VOCAB, (1, t), device="cuda"),
+        }
+        gpu_lanes[0].submit(stage.train, 0, x, all_reduce=True).result()
+    lane = stage.stats()["lanes"][gpu_lanes[0].label]
+    assert (lane["buckets"], lane["captures"], lane["evictions"]) == ([(1, 4)], 3, 2)
+
+
+@pytest.mark.gpu
+def test_gpu_the_example_drafter_in_bf16_matches_eager_on_variable_lengths(gpu_lanes):
+    from examples.dflash.loops import drafter_loss
+    from examples.dflash.models import TINY_DRAFTER, TINY_TARGET, BlockDrafter
+
+    torch.manual_seed(0)
+    target = TINY_TARGET.build()
+    reference = BlockDrafter(target, TINY_DRAFTER)
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for t in (20, 32, 27, 32, 12, 30, 32, 17):
+        data.append(
+            {
+                "features": torch.randn(2, t, target.feature_dim, generator=g).cuda(),
+                "input_ids": torch.randint(0, TINY_TARGET.vocab, (2, t), generator=g).cuda(),
+            }
+        )
+    runs = []
+    for kind, extra in (
+        (EagerDrafter, {}),
+        (DrafterGraphs, dict(lengths=(16, 32), policy="graphs")),
+    ):
+        drafter = copy.deepcopy(reference).cuda()
+        optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+        stage = kind(
+            gpu_lanes[:1],
+            drafter=drafter,
+            loss=drafter_loss,
+            optimizer=optimizer,
+            accumulate=2,
+            **extra,
+        )
+        runs.append((train_steps(stage, data), drafter))
+    # bf16 autocast: the padded and unpadded passes round differently.
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=2e-2, atol=1e-3)
+    assert stage.stats()["fallbacks"] == {}
