@@ -318,7 +318,8 @@ def main(argv: list[str] | None = None) -> None:
         if row.ratio is not None:
             ratio = f"  x{row.ratio:.3f} vs {row.baseline_name} ({row.baseline:,.3f})"
         goal = "" if row.target is None else f"  goal {row.target}: {verdicts[row.met]}"
-        print(f"{row.name:42s} {row.value:>14,.3f} {row.unit}{ratio}{goal}")
+        value = "not run" if row.value is None else f"{row.value:,.3f} {row.unit}"
+        print(f"{row.name:42s} {value:>17s}{ratio}{goal}")
         if row.note:
             print(f"{'':42s} {row.note}")
     if args.json:

@@ -318,7 +318,8 @@ class Pipeline:
         try:
             loss = self._drafter.train(replica, inputs, all_reduce=all_reduce)
             if lane.is_gpu:
-                gpu_done = torch.cuda.Event()
+                # Blocking: the driver's wait for it (_enter_window) sleeps, not spins.
+                gpu_done = torch.cuda.Event(blocking=True)
                 gpu_done.record()
                 with self._cond:
                     flight.event = gpu_done

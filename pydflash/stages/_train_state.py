@@ -48,6 +48,8 @@ def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> l
                 state["step"] = step.to(device, torch.float32)
         if not isinstance(group["lr"], torch.Tensor):
             group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+        elif group["lr"].device != device:  # a graph would bake in a host tensor's value
+            group["lr"] = group["lr"].to(device)
         made.append((group, "lr", group["lr"]))
     return made
 
