@@ -9,7 +9,6 @@ it cancels the queued ones, newest first, and waits for the rest.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .errors import PipelineError
@@ -100,6 +99,5 @@ class Outstanding:
 
     def to_stop(self) -> tuple[list[Future], list[Future]]:
         """Every outstanding future and those a stop cancels, newest first."""
-        order: Callable[[Future], int] = lambda f: self._futures[f][0]  # noqa: E731
-        futures = sorted(self._futures, key=order, reverse=True)
+        futures = sorted(self._futures, key=lambda f: self._futures[f][0], reverse=True)
         return futures, [f for f in futures if self._futures[f][1]]

@@ -27,7 +27,7 @@ otherwise.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -105,3 +105,16 @@ def to_lane(batch: Any, lane: Any) -> Any:
         return batch
     device = torch.device(lane.device)
     return map_tensors(lambda t: t.to(device, non_blocking=True), batch)
+
+
+def peer_access(sources: Sequence[Any], consumers: Sequence[Any]) -> dict[str, bool]:
+    """For each pair of GPU lanes on different devices, 'cuda:S->cuda:D': whether D can
+    access S's memory directly (a peer copy) rather than through the host."""
+    pairs = {}
+    for s in sources:
+        for d in consumers:
+            if s.is_gpu and d.is_gpu and s.device_index != d.device_index:
+                pairs[f"{s.device}->{d.device}"] = torch.cuda.can_device_access_peer(
+                    d.device_index, s.device_index
+                )
+    return pairs

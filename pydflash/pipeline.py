@@ -44,7 +44,7 @@ from ._flight import Flight, FlightWindow, HiddenBytes, StepTasks
 from ._future import Future
 from ._torch_state import match_intra_op_threads
 from .errors import PipelineError
-from .handoff import hand_to_lane, tensors
+from .handoff import hand_to_lane, peer_access, tensors
 from .lane import Lane
 from .stages import DrafterStage, EagerDrafter, EagerTarget, TargetStage
 from .step_result import StepResult
@@ -443,7 +443,7 @@ class Pipeline:
                 **self._hidden.stats(),
                 "target_lanes": [lane.label for lane in self._target_lanes],
                 "drafter_lanes": [lane.label for lane in self._drafter_lanes],
-                "peer_copy": _peer_pairs(self._target_lanes, self._drafter_lanes),
+                "peer_copy": peer_access(self._target_lanes, self._drafter_lanes),
             }
 
     def __repr__(self) -> str:
@@ -451,17 +451,6 @@ class Pipeline:
             f"<pydflash.Pipeline targets={len(self._target_lanes)} drafters="
             f"{len(self._drafter_lanes)} depth={self.depth} accumulate={self.accumulate}>"
         )
-
-
-def _peer_pairs(targets: Sequence[Lane], drafters: Sequence[Lane]) -> dict[str, bool]:
-    pairs = {}
-    for t in targets:
-        for d in drafters:
-            if t.is_gpu and d.is_gpu and t.device_index != d.device_index:
-                pairs[f"{t.device}->{d.device}"] = torch.cuda.can_device_access_peer(
-                    d.device_index, t.device_index
-                )
-    return pairs
 
 
 def _is_target(value: Any) -> bool:

@@ -27,9 +27,9 @@ class DrafterStage:
     - with several replicas, `reduce` on lane 0, which sums their gradients;
     - `step` on every lane.
 
-    `zero_grad` runs on every lane when a run starts. A failure raises; `reduce` and
-    `step` name their stage with `pydflash._failures.stage_error`, `train` is named the
-    drafter stage's failure by the caller."""
+    `zero_grad` runs on every lane when a run starts. A failure raises: `reduce` and
+    `step` name their stage themselves (`pydflash._failures.stage_error`: 'reduce',
+    'optimizer'); the pipeline reports a failure of `train` as the 'drafter' stage's."""
 
     #: The drafter lanes, one per replica, in replica order.
     lanes: list[Lane]
