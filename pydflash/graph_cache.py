@@ -48,7 +48,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import graphs
+from . import _cuda_capture, graphs
 from ._checks import counted
 from .errors import GraphFallbackWarning, GraphMemoryError
 
@@ -204,6 +204,9 @@ class LaneGraphCache:
         warmup: int | None = None,
         timed: bool | None = None,
     ) -> GraphEntry | None:
+        """The graph for `key`, captured from make()'s fn on a miss; None: run this call
+        eagerly (counted, the reason recorded). `label` names the key in stats and
+        warnings; `warmup` and `timed` override the cache's for this capture."""
         owner = self.owner
         with owner._lock:
             entry = self.graphs.get(key)
@@ -221,7 +224,7 @@ class LaneGraphCache:
     def replay(self, entry: GraphEntry) -> None:
         """entry.graph.replay() on the current stream, counted (and timed, see contract)."""
         if len(entry._events) + len(entry.graph_ms) < TIMED_REPLAYS and entry.eager_ms is not None:
-            start, end = graphs._timing_events()
+            start, end = _cuda_capture.timing_events()
             start.record()
             entry.graph.replay()
             end.record()
@@ -306,7 +309,7 @@ class LaneGraphCache:
 
     def _capture_failed(self, key: Hashable, label: Any, exc: Exception) -> None:
         kind = getattr(exc, "kind", "capture failed")
-        detail = getattr(exc, "detail", None) or f"{type(exc).__name__}: {graphs._first_line(exc)}"
+        detail = getattr(exc, "detail", None) or f"{type(exc).__name__}: {graphs.first_line(exc)}"
         detail = f"{label} on {self.label}: {detail}"
         with self.owner._lock:
             if kind == "device busy":

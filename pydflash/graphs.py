@@ -5,7 +5,8 @@
 comes from pydflash/graph_exec.py); its future completes when the GPU has run the
 graph. `capture(fn, example_inputs, lane)` records an inference forward (a frozen target
 model) on a lane, with static input and output buffers, and `CapturedGraph.run(*inputs)`
-replays it per microbatch.
+replays it per microbatch. `capture_graph` is the one capture routine under it and under
+the graph caches (pydflash/graph_cache.py).
 
 Note [Native graph launch]: the worker launches `raw_cuda_graph_exec()` directly, so
 torch's `replay()` does not run. For inference graphs that changes nothing; a graph with
@@ -14,60 +15,49 @@ random ops (dropout) replays the same random numbers each launch, because only
 `raw_cuda_graph_exec()`, `submit` and `CapturedGraph.run` fall back to calling
 `replay()` in an ordinary lane task (the launch then holds the GIL).
 
-Note [Where a replay runs]: `CapturedGraph.run` and `submit` launch natively, without the
-GIL, because between copy-in and clone nothing else needs Python. `pydflash.TargetGraphs`
-replays with `graph.replay()` inside its one Python task instead: that task pads the batch
-into the static inputs, may capture the bucket first, replays, and copies the outputs into
-a ring buffer, and every step but the launch needs Python. A native launch would split it
-into three queue entries (copy-in, launch, copy-out), which costs more than the few
-microseconds `replay()` holds the GIL for; and `replay()` keeps the generator offsets
-right should a target draw random numbers.
+Note [Where a replay runs]: `CapturedGraph.run` launches natively, as nothing but the
+launch sits between its copy-in and clone. `pydflash.TargetGraphs` calls `replay()` inside
+its one Python task: padding into the static inputs, a first capture, the copy into a ring
+buffer all need Python, and splitting the task in three queue entries around a native
+launch costs more than the microseconds `replay()` holds the GIL (which also keeps the
+generator offsets right, should a target draw random numbers).
 
-Note [Capturing beside other lanes]: `capture_graph` is the one capture routine; `capture`
-and the graph caches (pydflash/graph_cache.py) call it from a task on the capturing lane.
-What it requires of the rest of the process:
-- Warm-up runs eagerly, beside the other lanes: kernels compile and autotune there, under
-  the Triton guard (pydflash/guards/), and, with `turn`, one lane at a time per bucket in
-  the compile queue, so the others find warm caches.
-- The capture itself (capture_begin .. capture_end) runs while every other lane of the
-  device is paused between tasks (`pydflash.quiesce.device_quiet`). torch's "thread_local"
-  capture mode only stops the capturing thread's unsafe calls; it does not make cuDNN's
-  attention plans, cuBLAS workspaces or an autotuner's `torch.cuda.synchronize` in
-  another thread safe beside a capture (seen at head_dim 256: cuDNN's `mha_graph.execute`
-  failed during capture, then "operation not permitted when stream is capturing").
-  Paused lanes have no host-side CUDA calls in flight; their queued GPU work may go on.
-- The capturing lane's stream is made idle before capture_begin, so nothing queued before
-  the capture is still using blocks the capture may be handed.
-- If the device does not quiet within `quiet_timeout`, nothing is captured: CaptureFailed
-  with kind "device busy", and a later call may try again. PYDFLASH_CAPTURE_QUIET=0
-  captures without pausing the other lanes (to show what the pause prevents).
-- A failure anywhere leaves no trace (Note [A failed capture]).
+Note [Capturing beside other lanes]: `capture_graph` is the one capture routine (`capture`
+and pydflash/graph_cache.py call it from a task on the capturing lane).
+- Warm-up runs eagerly beside the other lanes, compiling and autotuning under the Triton
+  guard; with `turn`, one lane at a time per bucket in the compile queue (no turn is held
+  afterwards).
+- capture_begin..capture_end runs while every other lane of the device is paused between
+  tasks (pydflash/quiesce.py; what that asks of the rest of the process: Note [Quiet
+  device for capture] in csrc/core/device_quiet.h). "thread_local" capture mode does not
+  make cuDNN's attention plans, cuBLAS workspaces or an autotuner's synchronize in another
+  thread safe beside a capture (at head_dim 256, cuDNN's `mha_graph.execute` failed).
+- The capturing lane's stream is made idle first; other lanes' queued GPU work may go on.
+- No quiet within `quiet_timeout`: nothing is captured (CaptureFailed, kind "device busy");
+  a later call may try again. PYDFLASH_CAPTURE_QUIET=0 skips the pause (to show its use).
 
-Note [A failed capture]: torch's `CUDAGraph.capture_end` raises at `cudaStreamEndCapture`
-when the capture was invalidated (a host sync, an illegal call in the forward, an error
-in another thread under "global" mode) *before* it tells the caching allocator that the
-capture ended, and `reset()` releases the pool only after a successful end. The allocator
-then still records into the lane's pool, and the next capture into it raises
-"beginAllocateToPool: already recording to mempool_id". So after any failure between
-capture_begin and a complete capture_end, `capture_graph` ends the stream's capture (if it
-is still on), ends the allocator's recording into the pool (`_cuda_endAllocateToPool`) and,
-when that recording was still on, gives back the pool reference capture_begin took
-(`_cuda_releasePool`); then it resets the half-made graph. A pool left with no graph may
-not be captured into again (torch asserts its use count is positive): callers take a fresh
-pool after a failed capture when no graph of theirs holds the old one.
+Note [A failed capture]: when a capture was invalidated (a host sync in the forward, say),
+torch's `capture_end` raises at `cudaStreamEndCapture`, before it tells the caching
+allocator the capture ended, and `reset()` releases a pool only after a successful end: the
+next capture into the pool raised "beginAllocateToPool: already recording to mempool_id".
+So after any failure, `capture_graph` ends the stream's capture if it is still on, ends the
+allocator's recording (`_cuda_endAllocateToPool`) and, if that was still on, gives back the
+pool reference capture_begin took (`_cuda_releasePool`), then resets the graph. torch
+asserts a shared pool's use count is positive: after a failure, a caller with no graph
+left in the pool takes a fresh one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from . import _cuda_capture as _cuda
 from . import compile_queue
 from ._checks import counted
 from .errors import GraphCaptureError
@@ -81,7 +71,7 @@ if TYPE_CHECKING:
 #: (and is the one timed for a policy that compares graph and eager).
 DEFAULT_WARMUP = 2
 DEFAULT_QUIET_TIMEOUT = 30.0
-QUIET_ENV = "PYDFLASH_CAPTURE_QUIET"
+QUIET_ENV = _cuda.QUIET_ENV
 
 # Each lane's worker thread, once known, to refuse a capture that would wait for itself.
 _worker_threads: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -215,8 +205,10 @@ def capture(
     the outputs `fn` returned as static outputs. `fn` runs `warmup` times first (lazy
     initialisation, autotuning). `pool` shares a memory pool with other graphs
     (torch.cuda.graph_pool_handle()). Call it from the training thread, not from a
-    task on the same lane. Only what runs on the GPU is replayed: Python control flow
-    is fixed at capture, and fn must not synchronise with the host."""
+    task on the same lane. The capture pauses the other lanes of the device and leaves
+    no trace when it fails (`capture_graph`, Note [Capturing beside other lanes]). Only
+    what runs on the GPU is replayed: Python control flow is fixed at capture, and fn
+    must not synchronise with the host."""
     import torch
 
     if not callable(fn):
@@ -332,23 +324,23 @@ def capture_graph(
     of the warm-up propagate as they are."""
     counted(warmup, "warmup", minimum=0)
     eager_ms = _warm_up(fn, lane, warmup, timed, turn)
-    with _device_quiet(lane, quiet_timeout) as quiet:
+    with _cuda.device_quiet(lane, quiet_timeout) as quiet:
         if not quiet:
             raise CaptureFailed(
                 "device busy",
-                f"the other lanes of cuda:{lane.device_index} did not pause within "
-                f"{quiet_timeout:g} s for a capture on {lane.label}",
+                f"the other lanes of {lane.label}'s device did not pause within "
+                f"{quiet_timeout:g} s for a capture",
             )
         graph = None
         try:
-            _stream_idle()
-            graph = _new_graph()
+            _cuda.stream_idle()
+            graph = _cuda.new_graph()
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             outputs = fn()
             graph.capture_end()
         except Exception as exc:
             _leave_no_trace(graph, lane.device_index, pool)
-            detail = f"{type(exc).__name__}: {_first_line(exc)}"
+            detail = f"{type(exc).__name__}: {first_line(exc)}"
             raise CaptureFailed("capture failed", detail) from exc
     return Captured(graph, outputs, None if eager_ms is None else eager_ms())
 
@@ -367,8 +359,8 @@ def _warm_up(
             if timed and call == warmup - 1:
                 # From an idle stream: queued behind other work, an eager call would show
                 # none of the launch gaps a graph saves.
-                _stream_idle()
-                timer.extend(_timing_events())
+                _cuda.stream_idle()
+                timer.extend(_cuda.timing_events())
                 timer[0].record()
                 fn()
                 timer[1].record()
@@ -385,80 +377,26 @@ def _warm_up(
     return lambda: float(start.elapsed_time(end))
 
 
-# The CUDA calls a capture makes, one function each so that the CPU tests can stand in
-# for them.
-def _new_graph() -> Any:
-    import torch
-
-    return torch.cuda.CUDAGraph()
-
-
-def _stream_idle() -> None:
-    import torch
-
-    torch.cuda.current_stream().synchronize()
-
-
-def _timing_events() -> tuple[Any, Any]:
-    import torch
-
-    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-
-def _is_capturing() -> bool:
-    import torch
-
-    try:
-        return torch.cuda.is_current_stream_capturing()
-    except RuntimeError:
-        return True  # unknown: try to end it
-
-
-def _end_allocate_to_pool(device: int, pool: Any) -> None:
-    import torch
-
-    torch._C._cuda_endAllocateToPool(device, pool)
-
-
-def _release_pool(device: int, pool: Any) -> None:
-    import torch
-
-    torch._C._cuda_releasePool(device, pool)
-
-
-@contextlib.contextmanager
-def _device_quiet(lane: Lane, timeout: float) -> Iterator[bool]:
-    if os.environ.get(QUIET_ENV, "1") == "0":
-        yield True
-        return
-    try:
-        from .quiesce import device_quiet
-    except ImportError:  # a build without the quiesce module: nothing to pause
-        yield True
-        return
-    with device_quiet(lane, timeout=timeout) as quiet:
-        yield quiet
-
-
 def _leave_no_trace(graph: Any | None, device: int, pool: Any) -> None:
     """Note [A failed capture]: ends what a failed capture left on, in the stream and the
     allocator, and resets the graph."""
-    if graph is not None and _is_capturing():
+    if graph is not None and _cuda.is_capturing():
         # Invalidated or not, the capture ends here; ending an invalidated capture raises.
         with contextlib.suppress(Exception):
             graph.capture_end()
     try:
-        _end_allocate_to_pool(device, pool)
+        _cuda.end_allocate_to_pool(device, pool)
     except RuntimeError:
         pass  # never began, or capture_end ended the recording: reset() releases the pool
     else:
-        _release_pool(device, pool)  # the reference capture_begin took
+        _cuda.release_pool(device, pool)  # the reference capture_begin took
     if graph is not None:
         with contextlib.suppress(Exception):
             graph.reset()
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, or its type's name."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 

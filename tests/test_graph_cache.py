@@ -8,11 +8,15 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 
 import pytest
 
-from pydflash import GraphFallbackWarning, GraphMemoryError, graph_cache, graphs
+import pydflash
+from pydflash import GraphFallbackWarning, GraphMemoryError, _cuda_capture, graph_cache, graphs
 from pydflash.graph_cache import BUSY_RETRIES, GraphCache
+
+REAL_QUIET = _cuda_capture.device_quiet
 
 
 class FakeAllocator:
@@ -131,12 +135,12 @@ class FakeEvent:
 @pytest.fixture
 def cuda(monkeypatch):
     fake = FakeCuda()
-    monkeypatch.setattr(graphs, "_new_graph", fake.new_graph)
-    monkeypatch.setattr(graphs, "_stream_idle", fake.stream_idle)
-    monkeypatch.setattr(graphs, "_is_capturing", lambda: fake.capturing)
-    monkeypatch.setattr(graphs, "_end_allocate_to_pool", fake.allocator.end)
-    monkeypatch.setattr(graphs, "_release_pool", fake.allocator.release)
-    monkeypatch.setattr(graphs, "_device_quiet", fake.device_quiet)
+    monkeypatch.setattr(_cuda_capture, "new_graph", fake.new_graph)
+    monkeypatch.setattr(_cuda_capture, "stream_idle", fake.stream_idle)
+    monkeypatch.setattr(_cuda_capture, "is_capturing", lambda: fake.capturing)
+    monkeypatch.setattr(_cuda_capture, "end_allocate_to_pool", fake.allocator.end)
+    monkeypatch.setattr(_cuda_capture, "release_pool", fake.allocator.release)
+    monkeypatch.setattr(_cuda_capture, "device_quiet", fake.device_quiet)
     pools = iter(range(1, 1000))
     monkeypatch.setattr(graph_cache, "_new_pool", lambda: (0, next(pools)))
     monkeypatch.setattr(graph_cache, "pool_bytes", lambda pool, device: 0)
@@ -218,8 +222,39 @@ def test_a_device_that_does_not_quiet_is_busy_and_nothing_is_captured(cuda):
 
 def test_quiet_env_switch_skips_the_pause(monkeypatch):
     monkeypatch.setenv(graphs.QUIET_ENV, "0")
-    with graphs._device_quiet(LANE, 0.0) as quiet:
+    with _cuda_capture.device_quiet(LANE, 0.0) as quiet:
         assert quiet is True
+
+
+def test_the_capture_runs_while_the_other_lanes_of_the_device_are_paused(cuda, monkeypatch):
+    """Lanes of one device (here the CPU's) keep running tasks during the warm-up, and
+    none runs while the capture is open."""
+    monkeypatch.setattr(_cuda_capture, "device_quiet", REAL_QUIET)
+    ran, window = [], []
+
+    def tick():
+        ran.append(time.monotonic())
+        time.sleep(0.001)
+
+    def fn():
+        if cuda.capturing:
+            window.append(time.monotonic())
+            time.sleep(0.2)
+            window.append(time.monotonic())
+        return "out"
+
+    with pydflash.Dispatcher(["cpu", "cpu"]) as d:
+        capturer, other = d.lanes
+        ticks = [other.submit(tick) for _ in range(1000)]
+        while not ran:
+            time.sleep(0.001)
+        capture = capturer.submit(graphs.capture_graph, fn, capturer, pool=(0, 1), warmup=1)
+        assert capture.result(timeout=60).outputs == "out"
+        for future in ticks:
+            future.result(timeout=60)
+    start, end = window
+    assert [t for t in ran if t < start] and [t for t in ran if t > end]
+    assert [t for t in ran if start < t < end] == []
 
 
 # --- the cache: fallbacks, retries, eviction, cap ------------------------------------------
@@ -312,7 +347,7 @@ def test_auto_policy_drops_a_graph_no_faster_than_eager(cuda, monkeypatch, graph
     def events():
         return FakeEvent(0.0), FakeEvent(next(spent))
 
-    monkeypatch.setattr(graphs, "_timing_events", events)
+    monkeypatch.setattr(_cuda_capture, "timing_events", events)
     cache = GraphCache("stage", warmup=1)
     lane = cache.lane(LANE)
     for _ in range(3):

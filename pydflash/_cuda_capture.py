@@ -1,0 +1,66 @@
+"""The CUDA calls a capture makes (pydflash.graphs.capture_graph), one function each: the
+seam the CPU tests stand in for. No torch import until one is called."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .lane import Lane
+
+QUIET_ENV = "PYDFLASH_CAPTURE_QUIET"  # "0": captures do not pause the device's other lanes
+
+
+def new_graph() -> Any:
+    import torch
+
+    return torch.cuda.CUDAGraph()
+
+
+def stream_idle() -> None:
+    import torch
+
+    torch.cuda.current_stream().synchronize()
+
+
+def timing_events() -> tuple[Any, Any]:
+    """Two CUDA events that time what runs between their records."""
+    import torch
+
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
+def is_capturing() -> bool:
+    import torch
+
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:
+        return True  # unknown: try to end it
+
+
+def end_allocate_to_pool(device: int, pool: Any) -> None:
+    import torch
+
+    torch._C._cuda_endAllocateToPool(device, pool)
+
+
+def release_pool(device: int, pool: Any) -> None:
+    import torch
+
+    torch._C._cuda_releasePool(device, pool)
+
+
+@contextlib.contextmanager
+def device_quiet(lane: Lane, timeout: float) -> Iterator[bool]:
+    """pydflash.quiesce.device_quiet, unless QUIET_ENV is "0" (then True at once)."""
+    if os.environ.get(QUIET_ENV, "1") == "0":
+        yield True
+        return
+    from . import quiesce
+
+    with quiesce.device_quiet(lane, timeout=timeout) as quiet:
+        yield quiet
