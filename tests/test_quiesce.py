@@ -82,8 +82,8 @@ class Floods:
 
 def test_no_task_of_another_lane_starts_while_quiet():
     # Two dispatchers: a quiet covers every lane of the device in the process.
-    first = pydflash.Dispatcher(["cpu"] * 3, guard_triton=False)
-    second = pydflash.Dispatcher(["cpu"] * 2, guard_triton=False)
+    first = pydflash.Dispatcher(["cpu"] * 3, guard=())
+    second = pydflash.Dispatcher(["cpu"] * 2, guard=())
     lanes = first.lanes + second.lanes
     activity = Activity()
     try:
@@ -106,7 +106,7 @@ def test_no_task_of_another_lane_starts_while_quiet():
 
 
 def test_an_idle_lane_pauses_and_a_task_submitted_to_it_waits():
-    with pydflash.Dispatcher(["cpu"] * 2, guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"] * 2, guard=()) as d:
         capturer, idle = d.lanes
 
         def capture():
@@ -126,7 +126,7 @@ def test_an_idle_lane_pauses_and_a_task_submitted_to_it_waits():
 
 
 def test_two_lanes_quiet_the_device_at_once_one_after_the_other():
-    with pydflash.Dispatcher(["cpu"] * 4, guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"] * 4, guard=()) as d:
         a, b, *others = d.lanes
         activity = Activity()
         spans: list[tuple[float, float]] = []
@@ -159,7 +159,7 @@ def test_two_lanes_quiet_the_device_at_once_one_after_the_other():
 
 
 def test_a_lane_waiting_for_the_capturer_makes_it_time_out_and_nothing_stays_paused():
-    with pydflash.Dispatcher(["cpu"] * 3, guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"] * 3, guard=()) as d:
         capturer, blocked, free = d.lanes
         start = threading.Event()
 
@@ -190,7 +190,7 @@ def test_a_lane_waiting_for_the_capturer_makes_it_time_out_and_nothing_stays_pau
 
 
 def test_shutdown_with_cancel_of_a_paused_lane_cancels_at_once_and_exits_after_the_quiet():
-    with pydflash.Dispatcher(["cpu"] * 2, guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"] * 2, guard=()) as d:
         capturer, paused = d.lanes
         quiet_now, done = threading.Event(), threading.Event()
 
@@ -213,7 +213,7 @@ def test_shutdown_with_cancel_of_a_paused_lane_cancels_at_once_and_exits_after_t
 
 
 def test_shutdown_without_cancel_runs_the_queue_once_the_quiet_ends():
-    with pydflash.Dispatcher(["cpu"] * 2, guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"] * 2, guard=()) as d:
         capturer, paused = d.lanes
         quiet_now, done = threading.Event(), threading.Event()
         ended: list[float] = []
@@ -240,7 +240,7 @@ def test_shutdown_without_cancel_runs_the_queue_once_the_quiet_ends():
 
 
 def test_called_from_another_thread_is_an_error():
-    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"], guard=()) as d:
         outside = device_quiet(d.lanes[0])
         with pytest.raises(RuntimeError, match=r"expected a call from a task running on lane 0"):
             outside.__enter__()
@@ -249,7 +249,7 @@ def test_called_from_another_thread_is_an_error():
 
 
 def test_nested_quiets_and_a_quiet_that_outlives_its_task_ends_with_it():
-    with pydflash.Dispatcher(["cpu"] * 2, guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"] * 2, guard=()) as d:
         capturer, other = d.lanes
 
         def nested():
@@ -266,7 +266,7 @@ def test_nested_quiets_and_a_quiet_that_outlives_its_task_ends_with_it():
 
 
 def test_timeout_reads_as_the_one_timeout_rule():
-    with pydflash.Dispatcher(["cpu"], guard_triton=False) as d:
+    with pydflash.Dispatcher(["cpu"], guard=()) as d:
         lane = d.lanes[0]
 
         def quiet_with(timeout):

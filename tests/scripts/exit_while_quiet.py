@@ -33,7 +33,7 @@ def hold(lane: pydflash.Lane, held: threading.Event, forever: bool) -> None:
 def main() -> None:
     if len(sys.argv) != 2 or sys.argv[1] not in ("returns", "never_returns"):
         sys.exit(f"expected returns|never_returns, got {sys.argv[1:]}")
-    d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu", "cpu"], guard=())
     held = threading.Event()
     d.lanes[0].submit(hold, d.lanes[0], held, sys.argv[1] == "never_returns")
     assert held.wait(10)

@@ -23,7 +23,7 @@ def hold(lane: pydflash.Lane, held: threading.Event, release: threading.Event) -
 
 
 def child() -> int:
-    with pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False) as own:
+    with pydflash.Dispatcher(["cpu", "cpu"], guard=()) as own:
         futures = [own.lanes[i % 2].submit(pow, 2, i) for i in range(4)]
         results = [f.result(timeout=10) for f in futures]
     assert results == [1, 2, 4, 8], results
@@ -32,7 +32,7 @@ def child() -> int:
 
 
 def main() -> int:
-    d = pydflash.Dispatcher(["cpu", "cpu"], guard_triton=False)
+    d = pydflash.Dispatcher(["cpu", "cpu"], guard=())
     held, release = threading.Event(), threading.Event()
     quiet = d.lanes[0].submit(hold, d.lanes[0], held, release)
     assert held.wait(10)
