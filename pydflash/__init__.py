@@ -25,7 +25,8 @@ from .waiting import wait_all
 
 
 def __getattr__(name: str):
-    # Pipeline and TargetGraphs need torch; the core does not, so it is imported on first use.
+    # Pipeline, TargetGraphs and DrafterGraphs need torch; the core does not, so they are
+    # imported on first use.
     if name == "Pipeline":
         from .pipeline import Pipeline
 
@@ -34,6 +35,10 @@ def __getattr__(name: str):
         from .target_graphs import TargetGraphs
 
         return TargetGraphs
+    if name == "DrafterGraphs":
+        from .stages.drafter_graphs import DrafterGraphs
+
+        return DrafterGraphs
     raise AttributeError(f"module 'pydflash' has no attribute {name!r}")
 
 
@@ -46,6 +51,7 @@ __all__ = [
     "CompileQueueTimeout",
     "CudaError",
     "Dispatcher",
+    "DrafterGraphs",
     "Future",
     "GraphCaptureError",
     "GraphFallbackWarning",

@@ -47,42 +47,7 @@ from .errors import PipelineError
 from .handoff import hand_to_lane, peer_access, tensors
 from .lane import Lane
 from .stages import DrafterStage, EagerDrafter, EagerTarget, TargetStage
-
-
-# --- results ------------------------------------------------------------------------------
-class StepResult:
-    """One optimizer step: its index (counted over the pipeline's life) and microbatches.
-    `losses()` and `loss()` wait for the values (a host sync on GPU lanes).
-
-    Args:
-        step: the step's index.
-        microbatches: the indices of its microbatches.
-        losses: the futures of its microbatches' drafter tasks, in microbatch order.
-    """
-
-    def __init__(self, step: int, microbatches: range, losses: Sequence[Future] = ()) -> None:
-        self.step = step
-        self.microbatches = microbatches
-        self._losses = list(losses)
-
-    def losses(self) -> list[float]:
-        """Each microbatch's loss (before the 1/accumulate scaling), in microbatch order."""
-        losses = []
-        for future in self._losses:
-            loss = future.result()
-            if future.event:
-                # The read below runs on this thread's stream of the loss's device.
-                future.wait_stream(torch.cuda.current_stream(loss.device))
-            losses.append(float(loss))
-        return losses
-
-    def loss(self) -> float:
-        """The mean microbatch loss of the step."""
-        losses = self.losses()
-        return sum(losses) / len(losses)
-
-    def __repr__(self) -> str:
-        return f"StepResult(step={self.step}, microbatches={self.microbatches!r})"
+from .step_result import StepResult
 
 
 # --- the pipeline -------------------------------------------------------------------------
@@ -98,7 +63,9 @@ class Pipeline:
         drafter: the trained module, one per drafter lane (replicas start identical and
             stay so: each step applies the replicas' summed gradient). A
             DistributedDataParallel module all-reduces gradients across processes on each
-            step's last microbatch (one drafter lane per process then).
+            step's last microbatch (one drafter lane per process then). Or a DrafterStage
+            (pydflash.DrafterGraphs) over `drafter_lanes` with the same `accumulate`: it
+            holds loss, optimizer, clip_grad_norm and scheduler, left out here.
         loss: loss(drafter, inputs) -> scalar tensor, run on the drafter lane; `inputs`
             is the target's result on the drafter's device.
         optimizer: one per drafter, over that drafter's parameters.
@@ -115,9 +82,9 @@ class Pipeline:
         drafter_lanes: Sequence[Lane],
         *,
         target: Callable[[Any], Any] | TargetStage | Sequence[Any],
-        drafter: torch.nn.Module | Sequence[torch.nn.Module],
-        loss: Callable[[torch.nn.Module, Any], torch.Tensor],
-        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        drafter: torch.nn.Module | Sequence[torch.nn.Module] | DrafterStage,
+        loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         accumulate: int = 1,
         depth: int = 2,
         clip_grad_norm: float | None = None,
@@ -136,21 +103,26 @@ class Pipeline:
             stage.check_lane(lane)
         self.accumulate = counted(accumulate, "accumulate")
         self.depth = counted(depth, "depth")
-        self._drafter: DrafterStage = EagerDrafter(
-            self._drafter_lanes,
-            drafter=drafter,
-            loss=loss,
-            optimizer=optimizer,
-            accumulate=self.accumulate,
-            clip_grad_norm=clip_grad_norm,
-            scheduler=scheduler,
-        )
+        if isinstance(drafter, DrafterStage):
+            given = dict(loss=loss, optimizer=optimizer, scheduler=scheduler)
+            drafter.check_pipeline(self._drafter_lanes, self.accumulate, clip_grad_norm, **given)
+            self._drafter = drafter
+        else:
+            self._drafter = EagerDrafter(
+                self._drafter_lanes,
+                drafter=drafter,
+                loss=loss,
+                optimizer=optimizer,
+                accumulate=self.accumulate,
+                clip_grad_norm=clip_grad_norm,
+                scheduler=scheduler,
+            )
         if self.accumulate % n_drafters:
             raise ValueError(
                 f"expected accumulate to be a multiple of the {n_drafters} drafter lanes, "
                 f"got {accumulate}"
             )
-        self.clip_grad_norm = clip_grad_norm
+        self.clip_grad_norm = self._drafter.clip_grad_norm
 
         self._cond = threading.Condition()
         self._threads = torch.get_num_threads()  # the driver's, set again at each run
@@ -345,7 +317,8 @@ class Pipeline:
         try:
             loss = self._drafter.train(replica, inputs, all_reduce=all_reduce)
             if lane.is_gpu:
-                gpu_done = torch.cuda.Event()
+                # Blocking: the driver's wait for it (_enter_window) sleeps, not spins.
+                gpu_done = torch.cuda.Event(blocking=True)
                 gpu_done.record()
                 with self._cond:
                     flight.event = gpu_done

@@ -272,7 +272,7 @@ def test_the_tiny_example_trains_and_writes_a_loss_curve(tmp_path):
     assert stats["hidden_bytes_peak"] <= 2 * stats["hidden_bytes_per_microbatch"]  # depth 2
     spans = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     labels = {e["name"] for e in spans if e["ph"] == "X"}
-    assert {"_run_target", "Pipeline._drafter_task", "Pipeline._step_task"} <= labels
+    assert {"_run_target", "Pipeline._train_task", "Pipeline._step_task"} <= labels
 
 
 @pytest.mark.timeout(300)
@@ -297,9 +297,34 @@ def test_check_mode_finds_the_pipeline_equal_to_the_sequential_loop(tmp_path, as
 
 
 @pytest.mark.timeout(300)
-def test_torchrun_trains_one_ddp_drafter_across_two_processes(tmp_path):
+def test_check_mode_finds_graph_drafters_equal_to_the_sequential_loop(tmp_path):
+    # On CPU lanes DrafterGraphs takes its padded path: equal up to float32 rounding.
+    result = run_script(
+        "--tiny",
+        "--check",
+        "--drafter-graphs",
+        "--steps",
+        "6",
+        "--devices",
+        "cpu",
+        "--no-plot",
+        "--out",
+        str(tmp_path),
+        outside=tmp_path,
+    )
+    assert "check passed: pipeline losses vs the sequential loop" in result.stdout
+    assert "within the float32 tolerance" in result.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["drafter_graphs"]["padding_waste"] > 0  # 32 tokens padded to 128
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags", [(), ("--drafter-graphs",)], ids=["eager", "drafter-graphs"])
+def test_torchrun_trains_one_ddp_drafter_across_two_processes(tmp_path, flags):
+    # With --drafter-graphs the stage all-reduces its flat gradients over gloo in its step.
     steps, world = 4, 2
     run_script(
+        *flags,
         "--tiny",
         "--steps",
         str(steps),
@@ -331,7 +356,10 @@ def test_torchrun_trains_one_ddp_drafter_across_two_processes(tmp_path):
     trained = torch.load(tmp_path / "drafter.pt")
     for name, p in models.drafters[0].named_parameters():
         if p.requires_grad:
-            torch.testing.assert_close(trained[name], p.detach(), rtol=1e-4, atol=1e-5)
+            # Padded (graph drafters), rounding differs: Adam's m / sqrt(v) magnifies it
+            # where a gradient is near zero.
+            atol = 5e-5 if flags else 1e-5
+            torch.testing.assert_close(trained[name], p.detach(), rtol=1e-4, atol=atol)
     # Rank r's first microbatches are r, r + world: losses from the same initial weights.
     for rank, summary in enumerate(ranks):
         first = reference[0][rank::world]

@@ -19,6 +19,7 @@ import torch
 from pydflash import Dispatcher, TargetGraphs
 from pydflash.pipeline import Pipeline
 from pydflash.stages import EagerTarget, TargetStage
+from pydflash.stages.drafter_graphs import DrafterGraphs
 
 from .data import MarkovTokens
 from .models import BlockDrafter, DrafterConfig, TargetConfig
@@ -159,15 +160,17 @@ def target_forward(target: torch.nn.Module) -> Callable[[dict], dict]:
     return forward
 
 
-def drafter_loss(drafter: torch.nn.Module, inputs: dict) -> torch.Tensor:
+def drafter_loss(
+    drafter: torch.nn.Module, inputs: dict, lengths: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The drafter's loss on the target's outputs; `lengths` marks the real positions of
+    a padded microbatch (pydflash.DrafterGraphs passes it)."""
     features, ids = inputs["features"], inputs["input_ids"]
     autocast = (
         torch.autocast("cuda", torch.bfloat16) if features.is_cuda else contextlib.nullcontext()
     )
     with autocast:
-        if "anchors" in inputs:
-            return drafter(features, ids, inputs["anchors"])
-        return drafter(features, ids)
+        return drafter(features, ids, inputs.get("anchors"), lengths)
 
 
 def _to(obj: dict, device: str) -> dict:
@@ -260,7 +263,9 @@ def executor_steps(
 class PipelineLoop:
     """The pydflash pipeline over a Dispatcher with one lane per placement entry. With
     `graphs`, each target model's forward is one TargetGraphs for the lanes that share
-    the model (one device): it replays CUDA graphs per shape bucket on GPU lanes."""
+    the model (one device): it replays CUDA graphs per shape bucket on GPU lanes. With
+    `drafter_graphs`, the drafter trains through a DrafterGraphs stage: its microbatches
+    and optimizer step replay CUDA graphs on GPU lanes (padded to buckets, on CPU too)."""
 
     def __init__(
         self,
@@ -271,6 +276,7 @@ class PipelineLoop:
         *,
         trace: bool = False,
         graphs: bool = False,
+        drafter_graphs: bool = False,
     ) -> None:
         self.dispatcher = Dispatcher(placement.lanes, trace=trace)
         lanes = self.dispatcher.lanes
@@ -282,15 +288,20 @@ class PipelineLoop:
             if id(t) not in by_model:
                 by_model[id(t)] = stage(target_forward(t))
         self.targets = [by_model[id(t)] for t in models.targets]
+        training: dict[str, Any] = dict(
+            drafter=models.drafters, loss=drafter_loss, optimizer=models.optimizers
+        )
+        self.drafter = None
+        if drafter_graphs:
+            self.drafter = DrafterGraphs(lanes[n_targets:], **training, accumulate=job.accumulate)
+            training = dict(drafter=self.drafter)
         self.pipe = Pipeline(
             self.target_lanes,
             lanes[n_targets:],
             target=self.targets,
-            drafter=models.drafters,
-            loss=drafter_loss,
-            optimizer=models.optimizers,
             accumulate=job.accumulate,
             depth=depth,
+            **training,
         )
 
     def warm_up(self, batch: dict) -> None:
@@ -307,6 +318,10 @@ class PipelineLoop:
         """TargetGraphs.stats() of each graph target (one per target model)."""
         unique = {id(s): s for s in self.targets if isinstance(s, TargetGraphs)}
         return [s.stats() for s in unique.values()]
+
+    def drafter_graph_stats(self) -> dict | None:
+        """DrafterGraphs.stats() with drafter_graphs, else None."""
+        return None if self.drafter is None else self.drafter.stats()
 
     def steps(self, batches: Iterable[dict], steps: int) -> Iterator[StepLosses]:
         for result in self.pipe.run(batches, steps=steps):

@@ -416,18 +416,30 @@ class BlockDrafter(nn.Module):
         return self.lm_head(x.to(self.lm_head.weight.dtype))
 
     def forward(
-        self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor | None = None
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        anchors: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The training loss (forward returns it, so DistributedDataParallel sees the call):
         cross entropy of the block predictions, position i weighted by decay ** (i - 1),
-        over the full vocabulary in chunks (fused_loss.linear_cross_entropy)."""
+        over the full vocabulary in chunks (fused_loss.linear_cross_entropy), averaged over
+        the blocks. `lengths` [B] (a device tensor) gives each row's real length in a
+        right-padded batch: only blocks that end within it count, and the average is over
+        them, so padding changes nothing (pydflash's Note [Padding contract]). None: every
+        position is real."""
         anchors = self._anchors(input_ids, anchors)
         x = self.hidden(features, input_ids, anchors)
         batch, n = anchors.shape
         offsets = torch.arange(1, self.cfg.block, device=input_ids.device)
         labels = input_ids.gather(1, (anchors[:, :, None] + offsets).view(batch, -1))
         weights = self.cfg.decay ** (offsets - 1).float()
-        weights = (weights / (weights.sum() * batch * n)).expand(batch, n, -1)
+        if lengths is None:
+            weights = (weights / (weights.sum() * batch * n)).expand(batch, n, -1)
+        else:
+            real = (anchors + self.cfg.block <= lengths[:, None]).to(weights.dtype)  # [B, n]
+            weights = weights / (weights.sum() * real.sum().clamp_min(1)) * real[..., None]
         return linear_cross_entropy(
             x.reshape(-1, x.shape[-1]),
             self.lm_head.weight,

@@ -55,6 +55,27 @@ class DrafterStage:
         """Drops `replica`'s gradient: a run starts a step afresh."""
         raise NotImplementedError
 
+    #: The total gradient norm each step clips to, or None.
+    clip_grad_norm: float | None = None
+
+    def check_pipeline(
+        self, lanes: Sequence[Lane], accumulate: int, clip_grad_norm: Any = None, **given: Any
+    ) -> None:
+        """Raises ValueError unless a pipeline over drafter `lanes` with `accumulate` can
+        run this stage, given no training arguments of its own (`clip_grad_norm` and the
+        `given` ones: this stage holds them)."""
+        if list(map(id, lanes)) != list(map(id, self.lanes)):
+            raise ValueError("expected the drafter stage's lanes as the pipeline's drafter lanes")
+        if accumulate != getattr(self, "accumulate", accumulate):
+            raise ValueError(
+                f"expected accumulate={self.accumulate}, the drafter stage's, got {accumulate}"
+            )
+        extra = [k for k, v in {**given, "clip_grad_norm": clip_grad_norm}.items() if v is not None]
+        if extra:
+            raise ValueError(
+                f"expected no {', '.join(extra)} beside a drafter stage (it holds its own)"
+            )
+
 
 class EagerDrafter(DrafterStage):
     """Trains with plain torch calls: `loss(drafter, inputs)`, then the backward of
@@ -101,7 +122,7 @@ class EagerDrafter(DrafterStage):
         if not callable(loss):
             raise TypeError(f"expected a callable loss(drafter, inputs), got {type(loss).__name__}")
         self._loss = loss
-        self._accumulate = accumulate
+        self.accumulate = accumulate
         if clip_grad_norm is not None and not (
             isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0
         ):
@@ -150,7 +171,7 @@ class EagerDrafter(DrafterStage):
                 raise TypeError(f"expected loss() to return a scalar tensor, got {_describe(loss)}")
             # Backward on this thread, so it sees the lane's streams and thread state.
             with torch.autograd.set_multithreading_enabled(False):
-                (loss / self._accumulate).backward()
+                (loss / self.accumulate).backward()
         return loss.detach()
 
     def reduce(self, step: int, after: Sequence[Any]) -> Gradients:

@@ -1,0 +1,389 @@
+"""The pipeline against its physical limit, with the example's Hugging Face Qwen3-Next
+target (qwen3-next-small, random weights) and its drafter; part of section 5.
+
+Two regimes of 6 microbatches per optimizer step: launch-bound (1 x 1024 tokens per
+microbatch), where the stages' Python is the limit unless they replay graphs, and
+GPU-bound (8 x 1024). In each, four variants: eager or graph drafter
+(pydflash.DrafterGraphs), each with an eager or graph target (pydflash.TargetGraphs).
+
+- Each stage alone, as the pipeline runs it on its lane: wall time, GPU-busy time and
+  host thread time per step (bench/limits.py). The drafter's row compares its wall time
+  with its GPU-busy time: a ratio far above 1 is a host-bound stage.
+- Each pipeline variant's step against its limit: on one GPU the sum of its two stages'
+  GPU-busy times (the GPU cannot do both at once), on separate GPUs the larger one.
+- The host thread time of the whole pipeline per step, against the step.
+
+Wall and host times come from a window without the profiler (whose per-launch callbacks
+slow a launch-bound stage); GPU-busy time from a profiled window of the same steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from bench.common import Context, Row, compare, not_run
+from bench.limits import measure, thread_cpu_seconds
+from examples.dflash.data import MarkovTokens
+from examples.dflash.loops import (
+    Job,
+    Models,
+    PipelineLoop,
+    Placement,
+    build_models,
+    drafter_loss,
+    target_forward,
+)
+from examples.dflash.models import TINY_DRAFTER, DrafterConfig
+from pydflash import Dispatcher, TargetGraphs
+from pydflash.stages import EagerDrafter, EagerTarget
+from pydflash.stages.drafter_graphs import DrafterGraphs
+
+SECTION = "pipeline"
+ACCUMULATE = 6
+SEQ = 1024
+REGIMES = {"launch-bound": 1, "GPU-bound": 8}  # sequences of SEQ tokens per microbatch
+DRAFTER_GOAL = "<= 1.1"  # launch-bound drafter stage with graphs: wall vs GPU-busy
+ONE_GPU_GOAL = {"launch-bound": "<= 1.05", "GPU-bound": "<= 1.0"}  # graph drafter and target
+HOST_GOAL = "<= 0.25"  # host thread time of the pipeline per step, vs the step
+VARIANTS = [(d, t) for d in ("eager", "graphs") for t in ("eager", "graphs")]
+LABEL = {"eager": "eager", "graphs": "graph"}
+NEEDS_GPU = "needs a GPU: the limit is GPU-busy time"
+
+
+@dataclasses.dataclass
+class Regime:
+    name: str
+    job: Job
+    placement: Placement
+    reps: int  # calls per window (profiled and unprofiled)
+    warmup: int
+    on_gpu: bool
+    _batches: list[dict] = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def label(self) -> str:
+        j = self.job
+        return f"{self.name} ({j.target.source}, {j.batch}x{j.seq} x{j.accumulate})"
+
+    def batches(self, count: int) -> list[dict]:
+        if len(self._batches) < count:
+            data = MarkovTokens(self.job.target.vocab, self.job.seq, self.job.batch, seed=3)
+            self._batches = data.batches(0, count, pin=self.on_gpu)
+        return self._batches[:count]
+
+    def synchronize(self) -> None:
+        if self.on_gpu:
+            for d in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(d)
+
+
+def rows(ctx: Context) -> list[Row]:
+    """Every regime's rows; not run where transformers is missing."""
+    try:
+        from examples.dflash.hf import HFTargetConfig
+
+        config = "qwen3-next-small" if ctx.gpus else "qwen3-next-tiny"
+        target = HFTargetConfig.load(config)
+    except ModuleNotFoundError as exc:
+        return [not_run(SECTION, "pipeline against its limit", f"needs {exc.name}")]
+    out = []
+    for name, batch in REGIMES.items():
+        if not ctx.gpus and name != "launch-bound":  # on CPU the code path, once, suffices
+            out.append(not_run(SECTION, f"pipeline against its limit, {name}", NEEDS_GPU))
+            continue
+        out += regime_rows(ctx, make_regime(ctx, name, batch, target))
+        if ctx.gpus:
+            torch.cuda.empty_cache()
+    return out
+
+
+def make_regime(ctx: Context, name: str, batch: int, target: Any) -> Regime:
+    full = getattr(ctx, "full", False)
+    if ctx.gpus:
+        job = Job(target, DrafterConfig(), seq=SEQ, batch=batch, accumulate=ACCUMULATE, lr=3e-4)
+        placement = Placement(("cuda:0",), ("cuda:0",))
+        reps = 8 if full else (2 if ctx.quick else 4)
+        return Regime(name, job, placement, reps, warmup=2, on_gpu=True)
+    job = Job(target, TINY_DRAFTER, seq=32, batch=min(batch, 2), accumulate=2, lr=3e-3)
+    return Regime(name, job, Placement(("cpu",), ("cpu",)), 2, warmup=1, on_gpu=False)
+
+
+# --- measuring ----------------------------------------------------------------------------
+def cost(regime: Regime, step: Callable[[], None], *, sync_each: bool = True) -> dict[str, Any]:
+    """Per call of step(): wall and host ms unprofiled, GPU-busy ms profiled (None on CPU).
+    With sync_each False, only a window's last call synchronizes (a pipeline keeps its
+    next step's work in flight)."""
+    n = regime.reps
+
+    def window(calls: int) -> Callable[[], None]:
+        count = 0
+
+        def call() -> None:
+            nonlocal count
+            step()
+            count += 1
+            if sync_each or count == calls:
+                regime.synchronize()
+
+        return call
+
+    for _ in range(regime.warmup):
+        step()
+    regime.synchronize()
+    call = window(n)
+    cpu0, t0 = thread_cpu_seconds(), time.perf_counter()
+    for _ in range(n):
+        call()
+    wall, host = time.perf_counter() - t0, thread_cpu_seconds() - cpu0
+    busy = None
+    if regime.on_gpu:
+        busy = measure(window(n), reps=n, warmup=0, sync=False).gpu_busy_ms
+    return {"wall_ms": wall * 1e3 / n, "host_ms": host * 1e3 / n, "gpu_busy_ms": busy}
+
+
+def pristine(job: Job, placement: Placement) -> tuple[Models, Any]:
+    models = build_models(job, placement)
+    return models, copy.deepcopy(models.drafters[0])
+
+
+def fresh(models: Models, drafter: Any, job: Job) -> Models:
+    """The regime's target with a fresh copy of the untrained drafter and its optimizer."""
+    d = copy.deepcopy(drafter)
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=job.lr)
+    return Models(models.targets, [d], [opt])
+
+
+def target_stage_cost(regime: Regime, models: Models, kind: str) -> dict[str, Any]:
+    with Dispatcher(regime.placement.targets[:1]) as d:
+        lane = d.lanes[0]
+        forward = target_forward(models.targets[0])
+        stage = TargetGraphs(forward) if kind == "graphs" else EagerTarget(forward)
+        batches = regime.batches(regime.job.accumulate)
+        if kind == "graphs":
+            stage.warmup(lane, batches[0], [tuple(batches[0]["input_ids"].shape)])
+
+        def step() -> None:
+            futures = [stage.submit(lane, b) for b in batches]
+            for f in futures:
+                result = f.wait_stream() if f.event else f.result()
+                if kind == "graphs":  # its ring buffer back, for the next step's copy
+                    stage.release(result)
+
+        return cost(regime, step)
+
+
+def drafter_inputs(regime: Regime, models: Models) -> list[dict]:
+    device = regime.placement.drafters[0]
+    with torch.no_grad():
+        forward = target_forward(models.targets[0])
+        out = [forward({k: t.to(device) for k, t in b.items()}) for b in regime.batches(6)]
+    regime.synchronize()
+    return out[: regime.job.accumulate]
+
+
+def drafter_stage_cost(
+    regime: Regime, models: Models, kind: str, inputs: list[dict]
+) -> dict[str, Any]:
+    with Dispatcher(regime.placement.drafters[:1]) as d:
+        lane = d.lanes[0]
+        make = DrafterGraphs if kind == "graphs" else EagerDrafter
+        stage = make(
+            [lane],
+            drafter=models.drafters[0],
+            loss=drafter_loss,
+            optimizer=models.optimizers[0],
+            accumulate=regime.job.accumulate,
+        )
+        lane.submit(stage.zero_grad, 0).result()
+        steps = iter(range(1 << 30))
+
+        def step() -> None:
+            s, last = next(steps), len(inputs) - 1
+            for i, x in enumerate(inputs):
+                lane.submit(stage.train, 0, x, all_reduce=i == last)
+            lane.submit(stage.step, s, 0, None).result()
+
+        result = cost(regime, step)
+        if kind == "graphs":
+            result["stats"] = stage.stats()
+        return result
+
+
+def pipeline_cost(regime: Regime, models: Models, drafter: str, target: str) -> dict[str, Any]:
+    loop = PipelineLoop(
+        models,
+        regime.placement,
+        regime.job,
+        depth=2,
+        graphs=target == "graphs",
+        drafter_graphs=drafter == "graphs",
+    )
+    steps: Iterator[Any] | None = None
+    try:
+        warm = regime.batches(1)[0]
+        loop.warm_up(warm)
+        total = regime.warmup + 2 * regime.reps + 1  # one step more: its work is cancelled
+        steps = loop.steps(regime.batches(total * regime.job.accumulate), total)
+        result = cost(regime, lambda: next(steps), sync_each=False)
+        result["drafter_graphs"] = loop.drafter_graph_stats()
+        return result
+    finally:
+        if steps is not None:
+            steps.close()
+        loop.close()
+
+
+# --- rows ---------------------------------------------------------------------------------
+def regime_rows(ctx: Context, regime: Regime) -> list[Row]:
+    label = regime.label
+    ctx.progress(f"pipeline limits, {label}: building the models")
+    models, drafter = pristine(regime.job, regime.placement)
+    stages: dict[tuple[str, str], dict[str, Any]] = {}
+    for kind in ("eager", "graphs"):
+        ctx.progress(f"pipeline limits, {label}: target stage alone, {kind}")
+        stages["target", kind] = target_stage_cost(regime, models, kind)
+    inputs = drafter_inputs(regime, models)
+    for kind in ("eager", "graphs"):
+        ctx.progress(f"pipeline limits, {label}: drafter stage alone, {kind}")
+        stages["drafter", kind] = drafter_stage_cost(
+            regime, fresh(models, drafter, regime.job), kind, inputs
+        )
+    del inputs
+    pipes = {}
+    for d, t in VARIANTS:
+        ctx.progress(f"pipeline limits, {label}: pipeline, {d} drafter, {t} target")
+        pipes[d, t] = pipeline_cost(regime, fresh(models, drafter, regime.job), d, t)
+    del models, drafter
+    out = [stage_row(regime, which, kind, c) for (which, kind), c in stages.items()]
+    for (d, t), c in pipes.items():
+        out.append(pipeline_row(regime, d, t, c, stages, "one GPU", sum))
+    c = pipes["graphs", "graphs"]
+    out.append(
+        compare(
+            SECTION,
+            f"{label}: pipeline host thread time per step, graph drafter and target",
+            c["host_ms"],
+            "ms",
+            "the pipeline's step (wall)",
+            c["wall_ms"],
+            HOST_GOAL if regime.on_gpu else None,
+            "user + system CPU time of every thread of the process per step"
+            + ("" if regime.on_gpu else f"; {NEEDS_GPU}"),
+        )
+    )
+    if ctx.gpus < 2:
+        name = f"{label}: pipeline step, target and drafter on two GPUs"
+        out.append(not_run(SECTION, name, "not run: one GPU lent (goal <= 1.05x the larger stage)"))
+        return out
+    # Target on cuda:0, drafter on cuda:1: the limit is the larger stage's GPU-busy time
+    # (each stage's kernels are the same on either GPU, so the one-GPU stage figures hold).
+    apart = dataclasses.replace(regime, placement=Placement(("cuda:0",), ("cuda:1",)))
+    ctx.progress(f"pipeline limits, {label}: building the models on two GPUs")
+    models, drafter = pristine(apart.job, apart.placement)
+    for d, t in VARIANTS:
+        ctx.progress(f"pipeline limits, {label}: two GPUs, {d} drafter, {t} target")
+        c = pipeline_cost(apart, fresh(models, drafter, apart.job), d, t)
+        out.append(pipeline_row(apart, d, t, c, stages, "two GPUs", max))
+    return out
+
+
+def stage_row(regime: Regime, which: str, kind: str, c: dict[str, Any]) -> Row:
+    name = f"{regime.label}: {which} stage alone, {LABEL[kind]}"
+    goal = (
+        DRAFTER_GOAL
+        if (which, kind, regime.name) == ("drafter", "graphs", "launch-bound")
+        else None
+    )
+    extra = {k: v for k, v in c.items() if k != "wall_ms"}
+    note = f"host thread time {c['host_ms']:.1f} ms per step"
+    if c["gpu_busy_ms"] is None:
+        return compare(SECTION, name, c["wall_ms"], "ms", note=f"{note}; {NEEDS_GPU}", **extra)
+    return compare(
+        SECTION,
+        name,
+        c["wall_ms"],
+        "ms",
+        "its GPU-busy time",
+        c["gpu_busy_ms"],
+        goal,
+        note,
+        **extra,
+    )
+
+
+def pipeline_row(
+    regime: Regime,
+    d: str,
+    t: str,
+    c: dict[str, Any],
+    stages: dict[tuple[str, str], dict],
+    where: str,
+    limit: Callable[[list[float]], float],
+) -> Row:
+    """A pipeline variant's step against `limit` of its stages' GPU-busy times: their sum
+    on one GPU, the larger on two."""
+    name = f"{regime.label}: pipeline step, {LABEL[d]} drafter, {LABEL[t]} target, {where}"
+    busy = [stages["target", t]["gpu_busy_ms"], stages["drafter", d]["gpu_busy_ms"]]
+    extra = {k: v for k, v in c.items() if k != "wall_ms"}
+    note = f"host thread time {c['host_ms']:.1f} ms per step"
+    if None in busy:
+        return compare(SECTION, name, c["wall_ms"], "ms", note=f"{note}; {NEEDS_GPU}", **extra)
+    goal = None
+    if (d, t) == ("graphs", "graphs"):
+        goal = ONE_GPU_GOAL[regime.name] if where == "one GPU" else "<= 1.05"
+    what = (
+        "sum of the two stages' GPU-busy times" if limit is sum else "larger stage's GPU-busy time"
+    )
+    return compare(
+        SECTION,
+        name,
+        c["wall_ms"],
+        "ms",
+        what,
+        limit(busy),
+        goal,
+        note,
+        target_busy_ms=busy[0],
+        drafter_busy_ms=busy[1],
+        **extra,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m bench.pipeline_limits [--quick] [--full] [--json FILE]: these rows alone."""
+    import argparse
+    import json
+    import sys
+
+    parser = argparse.ArgumentParser(description="the pipeline against its GPU-busy limit")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--full", action="store_true", help="more repetitions")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args(argv)
+    ctx = Context(
+        quick=args.quick,
+        gpus=torch.cuda.device_count(),
+        progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
+    )
+    ctx.full = args.full  # type: ignore[attr-defined]  # read with getattr in make_regime
+    out = rows(ctx)
+    for row in out:
+        value = "not run" if row.value is None else f"{row.value:,.2f} {row.unit}"
+        ratio = "" if row.ratio is None else f"  x{row.ratio:.3f} vs {row.baseline_name}"
+        goal = "" if row.target is None else f"  goal {row.target}: {row.met}"
+        print(f"{row.name}: {value}{ratio}{goal}")
+        if row.note:
+            print(f"    {row.note}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([row.as_dict() for row in out], f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,453 @@
+"""The drafter's training steps as CUDA graphs: the training-side twin of `TargetGraphs`.
+
+    stage = pydflash.DrafterGraphs(drafter_lanes, drafter=models, loss=loss,
+                                   optimizer=optimizers, accumulate=4)
+    pipe = pydflash.Pipeline(target_lanes, drafter_lanes, target=..., drafter=stage, accumulate=4)
+
+A small drafter's training step is hundreds of small kernel launches per microbatch with
+the GIL held: its host time is longer than its GPU time. Replayed as CUDA graphs, each
+microbatch is a few launches. Per (batch, length) bucket a replica captures the
+microbatch's forward, loss and backward, with gradients accumulating into static
+gradient buffers; once per step it replays a second graph: gradient clipping (when asked
+for), the optimizer step and the zeroing of the gradients.
+
+Note [Padding contract]: a microbatch's inputs are padded on the right to their bucket
+(Note [Bucket padding] in pydflash/buckets.py), and the loss is called as
+`loss(drafter, inputs, lengths)`: `lengths` is an int64 tensor [Bb] on the lane's device
+holding each row's real length, T for the batch's B rows and 0 for padding rows. The
+loss must give the padded microbatch the loss and gradients of the unpadded one: it
+ignores positions at or past a row's length, and normalises by counts taken from
+`lengths` on the device, not from shapes. (An eager fallback calls it unpadded with every
+row at full length.) Then padding changes nothing but the rounding of kernels that tile a
+longer sequence differently. The stage cannot check this: a loss that averages over the
+padded shape trains on a different objective. On CPU lanes there are no graphs, and
+microbatches take the same padded path eagerly: the CPU tests hold the contract.
+
+Note [Static gradients]: each replica's trainable parameters get their `.grad` as views
+into one flat buffer per dtype, allocated once; backward adds into them in place (graph
+or not), the reduction across replicas and the all-reduce across processes work on the
+flat buffers, and the step graph zeroes them. Never set them to None (`zero_grad()`):
+a run re-installs them when it starts.
+
+Note [Capturing a training step]: graphs are captured, kept and dropped by the mechanism
+`TargetGraphs` uses (pydflash/graph_cache.py: one pool per lane, LRU `max_graphs`,
+`max_pool_bytes`, the "auto" policy, fallbacks; the capture itself is
+`pydflash.graphs.capture_graph`, which pauses the device's other lanes). A bucket's graph
+is captured the first time a microbatch of that bucket reaches a replica: `warmup`
+forward/backward passes (lazy initialisation, autotuning), then the capture, which runs
+nothing; the gradients the warm-up added are restored, and the graph replays the real
+microbatch. The step graph is captured at the second step: the first runs eagerly and
+creates the optimizer's state outside any graph. Autocast's weight cache is off while the
+loss is warmed up and captured (a `torch.autocast` inside the loss inherits that: a
+cached cast would be freed while the graph still reads it). Optimizers with a
+`capturable` option (Adam, AdamW, ...) get `capturable=True` and a one-element tensor
+`lr` on the lane's device, so a scheduler's new rate, written into that tensor, reaches
+the replayed step without a new capture. A hyperparameter that is not a tensor is baked
+into the step graph: when it changes, the step runs eagerly from then on, with a warning.
+
+Fallback: a length above the largest bucket, a loss or optimizer that cannot be captured
+(a host sync such as `.item()`, data-dependent shapes), the device's other lanes not
+pausing in time, a graph pool past `max_pool_bytes`, or (policy "auto") a graph no faster
+on the GPU than the eager pass runs that microbatch or step eagerly, unpadded, with a
+GraphFallbackWarning naming the reason, once per kind; the result is the same.
+
+Replicas and processes: several replicas in one process sum their flat gradients on lane
+0 between the last captured backward and the captured step, as the eager stage does. A
+DistributedDataParallel drafter is trained through its inner module and its flat
+gradients are all-reduced (averaged over the process group) in the step task, before
+the step graph: on NCCL between GPUs, on gloo between CPU processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .. import graph_cache
+from .._checks import counted
+from .._failures import stage_error
+from ..buckets import (
+    DEFAULT_GRANULARITY,
+    Bucket,
+    batch_shape,
+    choose_bucket,
+    copy_padded,
+    ladder,
+    pad,
+    signature,
+    sorted_sizes,
+)
+from ..graph_cache import GraphCache
+from ..graphs import DEFAULT_QUIET_TIMEOUT
+from ..handoff import hand_to_lane
+from ..lane import Lane
+from ._train_state import (
+    all_reduce_mean,
+    flat_gradients,
+    lengths_tensor,
+    make_capturable,
+    plain_hypers,
+    restore_tensor_hypers,
+    set_lengths,
+)
+from .drafter import EagerDrafter, Gradients
+
+DEFAULT_WARMUP = 3
+STEP = "optimizer step"  # the step graph's key and label in the lane's graph cache
+
+
+@dataclass
+class _Static:
+    """What a bucket's graph reads: the padded inputs' leaves and the lengths."""
+
+    inputs: list[Any]
+    lengths: torch.Tensor
+    fresh: bool = True  # captured just now: the inputs are the capturing microbatch's
+
+
+@dataclass
+class _Replica:
+    """One replica's training state, used on its lane's worker."""
+
+    lane: Lane
+    module: torch.nn.Module  # the module the loss runs (a DDP drafter's inner module)
+    params: list[torch.nn.Parameter]
+    flats: list[torch.Tensor]  # Note [Static gradients]
+    views: list[torch.Tensor]  # params[i].grad: views into flats
+    tensor_hypers: list  # (param group, key, tensor) the step graph reads
+    process_group: Any = None  # a DDP drafter's: all-reduced in the step
+    stepped: bool = False  # the optimizer's state exists
+    step_hypers: list | None = None  # the plain hyperparameters the step graph bakes in
+    step_replays: int = 0
+    step_eager_runs: int = 0
+
+
+class DrafterGraphs(EagerDrafter):
+    """Trains the drafter by replaying captured CUDA graphs: per (batch, length) bucket
+    the microbatch's forward, loss and backward; per step the optimizer's. See the
+    module's notes, Note [Padding contract] first.
+
+    Args:
+        lanes, drafter, optimizer, accumulate, clip_grad_norm, scheduler: as for
+            `EagerDrafter`.
+        loss: loss(drafter, inputs, lengths) -> scalar tensor; `lengths` [Bb] int64 on
+            the lane's device holds each row's real length (Note [Padding contract]).
+        lengths: the bucket lengths; a longer microbatch runs eagerly. Default: 128 to
+            8192, each doubling split into `granularity` steps (Note [Bucket ladder]).
+        granularity: steps per doubling of the default lengths (default 4).
+        batch_sizes: the bucket batch sizes; None (default) buckets each batch size alone.
+        pad_value: what padding holds, or a dict of it per key of dict inputs (default 0).
+        warmup: forward/backward passes before a capture.
+        max_pool_bytes, on_full, max_graphs, policy, gpu_bound_ratio, quiet_timeout: as
+            for `TargetGraphs`, per drafter lane.
+    """
+
+    def __init__(
+        self,
+        lanes: Sequence[Lane],
+        *,
+        drafter: torch.nn.Module | Sequence[torch.nn.Module],
+        loss: Callable[[torch.nn.Module, Any, torch.Tensor], torch.Tensor],
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        accumulate: int,
+        clip_grad_norm: float | None = None,
+        scheduler: Any = None,
+        lengths: Iterable[int] | None = None,
+        granularity: int | None = None,
+        batch_sizes: Iterable[int] | None = None,
+        pad_value: float | dict[str, float] = 0,
+        warmup: int = DEFAULT_WARMUP,
+        max_pool_bytes: int | None = None,
+        on_full: str = "eager",
+        max_graphs: int | None = None,
+        policy: str = "auto",
+        gpu_bound_ratio: float = graph_cache.DEFAULT_GPU_BOUND_RATIO,
+        quiet_timeout: float = DEFAULT_QUIET_TIMEOUT,
+    ) -> None:
+        super().__init__(
+            lanes,
+            drafter=drafter,
+            loss=loss,
+            optimizer=optimizer,
+            accumulate=accumulate,
+            clip_grad_norm=clip_grad_norm,
+            scheduler=scheduler,
+        )
+        if lengths is not None and granularity is not None:
+            raise ValueError("expected lengths or granularity, got both")
+        if lengths is None:
+            steps = DEFAULT_GRANULARITY if granularity is None else granularity
+            lengths = ladder(counted(steps, "granularity"))
+        self.lengths = sorted_sizes(lengths, "lengths")
+        self.batch_sizes = None if batch_sizes is None else sorted_sizes(batch_sizes, "batch_sizes")
+        if not isinstance(pad_value, (int, float, dict)) or isinstance(pad_value, bool):
+            raise TypeError(
+                f"expected pad_value as a number or a dict, got {type(pad_value).__name__}"
+            )
+        self.pad_value = pad_value
+        self._cache = GraphCache(
+            f"pydflash.DrafterGraphs {id(self):x}",
+            warmup=warmup,
+            max_graphs=max_graphs,
+            max_pool_bytes=max_pool_bytes,
+            on_full=on_full,
+            policy=policy,
+            gpu_bound_ratio=gpu_bound_ratio,
+            quiet_timeout=quiet_timeout,
+        )
+        self._lock = threading.Lock()
+        self._tokens = [0, 0]  # real, processed (padding included)
+        self._replicas = [self._replica(r) for r in range(len(self.lanes))]
+
+    def _replica(self, r: int) -> _Replica:
+        model, lane = self._drafters[r], self.lanes[r]
+        group = None
+        if self._ddp[r]:
+            group, model = model.process_group, model.module
+        params = self._params[r]
+        flats, views = flat_gradients(params)
+        hypers = (
+            make_capturable(self._optimizers[r], torch.device(lane.device))
+            if _captures(lane)
+            else []
+        )
+        return _Replica(lane, model, params, flats, views, hypers, process_group=group)
+
+    # --- DrafterStage ---------------------------------------------------------------------
+    def train(self, replica: int, inputs: Any, *, all_reduce: bool) -> torch.Tensor:
+        # all_reduce is not needed: a DDP drafter's gradients are all-reduced in step().
+        rep = self._replicas[replica]
+        leaves, spec = pytree.tree_flatten(inputs)
+        b, t = batch_shape(leaves)
+        cache = self._cache.lane(rep.lane)
+        bucket = choose_bucket(b, t, self.lengths, self.batch_sizes)
+        if bucket is None:
+            limit = f"{self.lengths[-1]}" + (
+                "" if self.batch_sizes is None else f" x batch {self.batch_sizes[-1]}"
+            )
+            detail = f"a microbatch of {b} x {t} is above the largest bucket ({limit})"
+            cache.fall_back("too long", detail)
+            return self._eager(rep, inputs, b, t)
+        pads = self._pads(inputs, leaves)
+        if not _captures(rep.lane):
+            self._count_tokens(b * t, bucket.batch * bucket.length)
+            padded = [pad(x, bucket, p) for x, p in zip(leaves, pads, strict=True)]
+            lengths = lengths_tensor(bucket.batch, b, t, leaves)
+            return self._forward_backward(rep, pytree.tree_unflatten(padded, spec), lengths)
+        saved: list[torch.Tensor] = []
+
+        def make() -> tuple[Callable[[], torch.Tensor], _Static]:
+            # The warm-up adds gradients that are not the microbatch's: put them back after.
+            saved.extend(flat.clone() for flat in rep.flats)
+            static = [
+                x.clone() if isinstance(x, torch.Tensor) else x
+                for x in (pad(x, bucket, p) for x, p in zip(leaves, pads, strict=True))
+            ]
+            lengths = lengths_tensor(bucket.batch, b, t, static)
+            batch = pytree.tree_unflatten(static, spec)
+
+            def step() -> torch.Tensor:
+                with _autocast_cache_off():
+                    return self._forward_backward(rep, batch, lengths)
+
+            return step, _Static(static, lengths)
+
+        key = (bucket, spec, signature(leaves))
+        try:
+            entry = cache.get_or_capture(key, make, label=bucket)
+        finally:
+            for flat, before in zip(rep.flats, saved, strict=False):
+                flat.copy_(before)
+        if entry is None:
+            return self._eager(rep, inputs, b, t)
+        static: _Static = entry.data
+        if static.fresh:
+            static.fresh = False
+        else:
+            for buffer, x, p in zip(static.inputs, leaves, pads, strict=True):
+                if isinstance(x, torch.Tensor):
+                    copy_padded(buffer, x, p)
+            set_lengths(static.lengths, b, t)
+        cache.replay(entry)
+        self._count_tokens(b * t, bucket.batch * bucket.length)
+        return entry.outputs.clone()
+
+    def reduce(self, step: int, after: Sequence[Any]) -> Gradients:
+        lane0 = self.lanes[0]
+        try:
+            total = [flat.clone() for flat in self._replicas[0].flats]
+            for r in range(1, len(self.lanes)):
+                rep = self._replicas[r]
+                flats, _ = hand_to_lane(rep.flats, rep.lane, after[r], lane0)
+                for t, flat in zip(total, flats, strict=True):
+                    t += flat
+            return total
+        except BaseException as exc:
+            raise stage_error("reduce", None, lane0, exc, step=step) from exc
+
+    def step(self, step: int, replica: int, reduced: tuple[Gradients, Any] | None) -> None:
+        rep = self._replicas[replica]
+        if reduced is not None:
+            total, event = reduced
+            try:
+                grads, _ = hand_to_lane(total, self.lanes[0], event, rep.lane)
+                for flat, grad in zip(rep.flats, grads, strict=True):
+                    flat.copy_(grad)
+            except BaseException as exc:
+                raise stage_error("reduce", None, rep.lane, exc, step=step) from exc
+        try:
+            if rep.process_group is not None:
+                all_reduce_mean(rep.flats, rep.process_group)
+            self._apply(replica, rep)
+            if self._schedulers is not None:
+                self._schedulers[replica].step()
+        except BaseException as exc:
+            raise stage_error("optimizer", None, rep.lane, exc, step=step) from exc
+
+    def zero_grad(self, replica: int) -> None:
+        rep = self._replicas[replica]
+        for p, view in zip(rep.params, rep.views, strict=True):
+            p.grad = view  # Note [Static gradients]: a caller may have dropped them
+        for flat in rep.flats:
+            flat.zero_()
+
+    # --- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """As `TargetGraphs.stats()` (per lane label: the buckets captured, captures,
+        replays, eager runs, evictions, graphs dropped and pool bytes; fallbacks per kind;
+        eager_buckets; padding_waste), and per lane how its optimizer steps ran: "step"
+        is "graph" once the step graph replays, and step_replays / step_eager_runs count
+        them."""
+        cached = self._cache.stats()
+        by_label = {rep.lane.label: rep for rep in self._replicas}
+        lanes = {}
+        for label, s in cached["lanes"].items():
+            held = s.pop("graphs")
+            rep = by_label[label]
+            lanes[label] = {
+                "buckets": [(g.batch, g.length) for g in held if isinstance(g, Bucket)],
+                **s,
+                "step": "graph" if STEP in held else ("eager" if rep.step_eager_runs else None),
+                "step_replays": rep.step_replays,
+                "step_eager_runs": rep.step_eager_runs,
+            }
+        with self._lock:
+            real, processed = self._tokens
+        eager_buckets = [
+            {**e, "bucket": (e["bucket"].batch, e["bucket"].length)}
+            if isinstance(e["bucket"], Bucket)
+            else e
+            for e in cached["eager_buckets"]
+        ]
+        return {
+            "lanes": lanes,
+            "fallbacks": cached["fallbacks"],
+            "eager_buckets": eager_buckets,
+            "padding_waste": 0.0 if processed == 0 else (processed - real) / processed,
+            "policy": self._cache.policy,
+        }
+
+    def __repr__(self) -> str:
+        name = getattr(self._loss, "__qualname__", self._loss)
+        return f"<pydflash.DrafterGraphs of {name!s} on {len(self.lanes)} lanes>"
+
+    # --- a microbatch -----------------------------------------------------------------------
+    def _forward_backward(self, rep: _Replica, inputs: Any, lengths: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            loss = self._loss(rep.module, inputs, lengths)
+            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+                raise TypeError(f"expected loss() to return a scalar tensor, got {_describe(loss)}")
+            # Backward on this thread, so it sees the lane's streams and thread state.
+            with torch.autograd.set_multithreading_enabled(False):
+                (loss / self.accumulate).backward()
+        return loss.detach()
+
+    def _eager(self, rep: _Replica, inputs: Any, b: int, t: int) -> torch.Tensor:
+        """The microbatch unpadded: every row real."""
+        self._count_tokens(b * t, b * t)
+        lengths = lengths_tensor(b, b, t, pytree.tree_leaves(inputs))
+        return self._forward_backward(rep, inputs, lengths)
+
+    # --- the step ---------------------------------------------------------------------------
+    def _apply(self, replica: int, rep: _Replica) -> None:
+        """Clipping, the optimizer step and zeroed gradients: replayed, or eagerly."""
+        restore_tensor_hypers(rep.tensor_hypers)
+        if _captures(rep.lane) and rep.stepped:
+            cache = self._cache.lane(rep.lane)
+            hypers = plain_hypers(self._optimizers[replica])
+            if rep.step_hypers is None or hypers == rep.step_hypers:
+                entry = cache.get_or_capture(
+                    STEP,
+                    lambda: ((lambda: self._step_body(replica, rep)), None),
+                    label=STEP,
+                    warmup=0,  # the first, eager step was the warm-up
+                    timed=False,  # a replay must not be repeated to be timed
+                )
+                if entry is not None:
+                    rep.step_hypers = hypers
+                    cache.replay(entry)
+                    rep.step_replays += 1
+                    return
+            else:
+                cache.fall_back(
+                    "hyperparameter",
+                    "an optimizer hyperparameter that is not a tensor changed after the "
+                    "step was captured; the step runs eagerly (make it a tensor to change it)",
+                )
+        self._step_body(replica, rep)
+        rep.stepped = True
+        rep.step_eager_runs += 1
+
+    def _step_body(self, replica: int, rep: _Replica) -> None:
+        if self.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(rep.params, self.clip_grad_norm)
+        self._optimizers[replica].step()
+        for flat in rep.flats:
+            flat.zero_()
+
+    # --- helpers ----------------------------------------------------------------------------
+    def _count_tokens(self, real: int, processed: int) -> None:
+        with self._lock:
+            self._tokens[0] += real
+            self._tokens[1] += processed
+
+    def _pads(self, inputs: Any, leaves: list[Any]) -> list[float]:
+        if not isinstance(self.pad_value, dict):
+            return [self.pad_value] * len(leaves)
+        if not isinstance(inputs, dict):
+            raise TypeError(
+                f"expected dict inputs for a dict pad_value, got {type(inputs).__name__}"
+            )
+        pads = []
+        for key, value in inputs.items():
+            pads += [self.pad_value.get(key, 0)] * len(pytree.tree_leaves(value))
+        return pads
+
+
+def _captures(lane: Lane) -> bool:
+    """Whether the stage captures graphs on `lane`: GPU lanes only."""
+    return lane.is_gpu
+
+
+@contextlib.contextmanager
+def _autocast_cache_off():
+    """Autocast's cast cache off: a cast cached during a capture would be freed while the
+    graph still reads it. `torch.autocast(...)` without cache_enabled inherits this."""
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__

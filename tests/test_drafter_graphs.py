@@ -1,0 +1,508 @@
+"""DrafterGraphs: the padding contract, the static gradients, the step, fallbacks and
+eviction (pydflash/stages/drafter_graphs.py).
+
+The CPU tests run the padded path eagerly on CPU lanes (there are no graphs on CPU): a
+padded microbatch must give the loss and gradients of the unpadded one. The bookkeeping
+of captured graphs (replay, eviction, memory cap, a changed hyperparameter) is tested on
+CPU with a recording stand-in for the capture; the GPU tests capture real graphs."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pydflash
+from pydflash import GraphFallbackWarning, GraphMemoryError, graph_cache, graphs
+from pydflash.stages import EagerDrafter
+from pydflash.stages import drafter_graphs as dg
+from pydflash.stages.drafter_graphs import DrafterGraphs
+
+VOCAB, WIDTH = 11, 8
+
+
+class Toy(torch.nn.Module):
+    """A causal drafter: a running mean over positions, a linear head."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.proj = torch.nn.Linear(WIDTH, WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB)
+        self.frozen = torch.nn.Linear(WIDTH, WIDTH).requires_grad_(False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        steps = torch.arange(1, h.shape[1] + 1, device=h.device, dtype=h.dtype)
+        running = self.frozen(h).cumsum(1) / steps[None, :, None]
+        return self.head(torch.tanh(self.proj(running)))
+
+
+def masked_loss(drafter, inputs, lengths=None):
+    """Mean token cross entropy over the real positions (Note [Padding contract])."""
+    logits = drafter(inputs["h"])
+    ce = F.cross_entropy(logits.flatten(0, 1), inputs["y"].flatten(), reduction="none")
+    ce = ce.view(inputs["y"].shape)
+    if lengths is None:
+        return ce.mean()
+    real = torch.arange(ce.shape[1], device=ce.device)[None, :] < lengths[:, None]
+    return (ce * real).sum() / real.sum()
+
+
+def microbatches(count: int, seed: int = 0, lengths=(5, 9, 13, 16, 3, 7)) -> list[dict]:
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        b, t = rng.choice([1, 2, 3]), rng.choice(lengths)
+        out.append(
+            {
+                "h": torch.randn(b, t, WIDTH, generator=g),
+                "y": torch.randint(0, VOCAB, (b, t), generator=g),
+            }
+        )
+    return out
+
+
+@pytest.fixture
+def lanes():
+    dispatcher = pydflash.Dispatcher(["cpu"] * 2)
+    yield dispatcher.lanes
+    dispatcher.shutdown(cancel_futures=True)
+
+
+def make(kind, lanes, n=1, *, clip=None, lr=0.05, loss=masked_loss, **kwargs):
+    drafters = [Toy() for _ in range(n)]
+    optimizers = [torch.optim.AdamW(d.parameters(), lr=lr) for d in drafters]
+    stage = kind(
+        lanes[:n],
+        drafter=drafters if n > 1 else drafters[0],
+        loss=loss,
+        optimizer=optimizers if n > 1 else optimizers[0],
+        accumulate=kwargs.pop("accumulate", 2),
+        clip_grad_norm=clip,
+        **kwargs,
+    )
+    return stage, drafters
+
+
+def train_steps(stage, data, accumulate=2):
+    """Drives the stage as Pipeline does with one replica; returns the losses."""
+    lane = stage.lanes[0]
+    lane.submit(stage.zero_grad, 0).result()
+    losses = []
+    for s in range(len(data) // accumulate):
+        for x in data[s * accumulate : (s + 1) * accumulate]:
+            losses.append(lane.submit(stage.train, 0, x, all_reduce=True).result())
+        lane.submit(stage.step, s, 0, None).result()
+    return [float(x) for x in losses]
+
+
+def assert_same_training(a, b, *, rtol=1e-5, atol=1e-6):
+    (losses_a, drafter_a), (losses_b, drafter_b) = a, b
+    torch.testing.assert_close(losses_a, losses_b, rtol=rtol, atol=atol)
+    for p, q in zip(drafter_a.parameters(), drafter_b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol)
+
+
+# --- the padding contract ------------------------------------------------------------------
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_padded_microbatches_train_as_the_eager_drafter_does(lanes, clip):
+    data = microbatches(12)
+    eager, eager_drafters = make(EagerDrafter, lanes, clip=clip)
+    graphs, graph_drafters = make(DrafterGraphs, lanes, clip=clip, lengths=(4, 8, 16))
+    expected = train_steps(eager, data), eager_drafters[0]
+    got = train_steps(graphs, data), graph_drafters[0]
+    assert_same_training(got, expected)
+    assert graphs.stats()["fallbacks"] == {}
+
+
+def test_a_loss_that_ignores_lengths_is_not_padding_safe(lanes):
+    # The contract is the loss's to keep: averaged over the padded shape, it differs.
+    def shape_mean(drafter, inputs, lengths=None):
+        return masked_loss(drafter, inputs)
+
+    x = {"h": torch.randn(2, 5, WIDTH), "y": torch.randint(0, VOCAB, (2, 5))}
+    unpadded = masked_loss(Toy(), x)
+    for loss, equal in ((masked_loss, True), (shape_mean, False)):
+        stage, _ = make(DrafterGraphs, lanes, lengths=(8,), accumulate=1, loss=loss)
+        padded = lanes[0].submit(stage.train, 0, x, all_reduce=True).result()
+        assert torch.allclose(padded, unpadded) == equal
+
+
+def test_the_loss_sees_each_rows_real_length(lanes):
+    seen = []
+
+    def loss(drafter, inputs, lengths):
+        seen.append((tuple(inputs["h"].shape), lengths.tolist()))
+        return masked_loss(drafter, inputs, lengths)
+
+    stage, _ = make(DrafterGraphs, lanes, lengths=(4, 8), batch_sizes=(2, 4), loss=loss)
+    x = {"h": torch.randn(3, 5, WIDTH), "y": torch.randint(0, VOCAB, (3, 5))}
+    lanes[0].submit(stage.train, 0, x, all_reduce=True).result()
+    assert seen == [((4, 8, WIDTH), [5, 5, 5, 0])]
+
+
+def test_gradients_are_static_views_into_one_flat_buffer(lanes):
+    stage, (drafter,) = make(DrafterGraphs, lanes)
+    grads = [p.grad for p in drafter.parameters() if p.requires_grad]
+    flat = stage._replicas[0].flats[0]
+    assert all(g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for g in grads)
+    assert flat.numel() == sum(g.numel() for g in grads)
+    assert drafter.frozen.weight.grad is None
+    train_steps(stage, microbatches(4))
+    assert [p.grad for p in drafter.parameters() if p.requires_grad] == grads
+    assert flat.abs().sum() == 0  # the step zeroed them
+    drafter.zero_grad(set_to_none=True)  # a caller drops them: a run puts them back
+    lanes[0].submit(stage.zero_grad, 0).result()
+    assert all(p.grad is g for p, g in zip(drafter.parameters(), grads, strict=False))
+
+
+# --- fallbacks -------------------------------------------------------------------------------
+def test_a_microbatch_above_the_largest_bucket_runs_eagerly_and_warns_once(lanes):
+    data = microbatches(4, lengths=(12, 16))
+    eager, eager_drafters = make(EagerDrafter, lanes)
+    graphs, graph_drafters = make(DrafterGraphs, lanes, lengths=(4, 8))
+    expected = train_steps(eager, data), eager_drafters[0]
+    with pytest.warns(
+        GraphFallbackWarning, match=r"runs eagerly \(too long\): a microbatch of \d+ x 1[26]"
+    ) as w:
+        got = train_steps(graphs, data), graph_drafters[0]
+    assert len([x for x in w if issubclass(x.category, GraphFallbackWarning)]) == 1
+    assert_same_training(got, expected)
+    stats = graphs.stats()
+    assert stats["fallbacks"]["too long"]["count"] == 4
+    assert stats["lanes"][lanes[0].label]["eager_runs"] == 4
+
+
+def test_argument_errors(lanes):
+    with pytest.raises(ValueError, match="on_full in"):
+        make(DrafterGraphs, lanes, on_full="drop")
+    with pytest.raises(ValueError, match="lengths as positive ints"):
+        make(DrafterGraphs, lanes, lengths=[0])
+    with pytest.raises(TypeError, match="pad_value"):
+        make(DrafterGraphs, lanes, pad_value="x")
+
+
+# --- captured graphs, with a recording stand-in for the capture on CPU ------------------------
+class RecordedGraph:
+    """Runs what was recorded on each replay, writing its output into the static one."""
+
+    def __init__(self, run, out):
+        self.run, self.out = run, out
+
+    def replay(self):
+        value = self.run()
+        if value is not None:  # the step graph has no output
+            self.out.copy_(value)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """CPU lanes behave as capturing lanes: the capture warms up, then keeps the callable
+    instead of a graph (running nothing, as a capture does), and pools report 1000 bytes
+    per graph."""
+    made = []
+
+    def capture_graph(fn, lane, *, pool, warmup, timed=False, turn=None, quiet_timeout=None):
+        for _ in range(warmup):
+            fn()
+        out = torch.zeros(())  # a capture runs nothing: the output is a placeholder
+        made.append(RecordedGraph(fn, out))
+        return graphs.Captured(made[-1], out)
+
+    def tensor_lr(optimizer, device):  # CPU optimizers are not capturable
+        for group in optimizer.param_groups:
+            group["lr"] = torch.tensor(float(group["lr"]))
+        return [(group, "lr", group["lr"]) for group in optimizer.param_groups]
+
+    monkeypatch.setattr(graphs, "capture_graph", capture_graph)
+    monkeypatch.setattr(graph_cache, "_new_pool", lambda: "pool")
+    monkeypatch.setattr(graph_cache, "pool_bytes", lambda pool, device: 1000 * len(made))
+    monkeypatch.setattr(dg, "_captures", lambda lane: True)
+    monkeypatch.setattr(dg, "make_capturable", tensor_lr)
+    return made
+
+
+def test_replayed_buckets_and_step_train_as_the_eager_drafter_does(lanes, recorded):
+    data = microbatches(12)
+    eager, eager_drafters = make(EagerDrafter, lanes, clip=0.05)
+    graphs, graph_drafters = make(DrafterGraphs, lanes, clip=0.05, lengths=(4, 8, 16))
+    expected = train_steps(eager, data), eager_drafters[0]
+    got = train_steps(graphs, data), graph_drafters[0]
+    assert_same_training(got, expected)
+    stats = graphs.stats()["lanes"][lanes[0].label]
+    buckets = {
+        (x["h"].shape[0], 4 if x["h"].shape[1] <= 4 else 8 if x["h"].shape[1] <= 8 else 16)
+        for x in data
+    }
+    assert stats["captures"] == len(buckets) + 1  # each bucket once, and the step
+    assert stats["replays"] == len(data) + 5  # and the step graph, from the second step
+    assert (stats["step"], stats["step_eager_runs"], stats["step_replays"]) == ("graph", 1, 5)
+
+
+def test_least_recently_used_graphs_are_evicted(lanes, recorded):
+    stage, _ = make(DrafterGraphs, lanes, lengths=(4, 8, 16), max_graphs=2, accumulate=1)
+    shapes = [(1, 3), (1, 7), (1, 3), (1, 15), (1, 7)]
+    data = [
+        {"h": torch.randn(b, t, WIDTH), "y": torch.randint(0, VOCAB, (b, t))} for b, t in shapes
+    ]
+    for x in data:
+        lanes[0].submit(stage.train, 0, x, all_reduce=True).result()
+    stats = stage.stats()["lanes"][lanes[0].label]
+    # 4 and 8 captured; 4 used again; 16 evicts 8; 8 evicts 4.
+    assert stats["buckets"] == [(1, 16), (1, 8)]
+    assert (stats["captures"], stats["evictions"], stats["replays"]) == (4, 2, 5)
+
+
+@pytest.mark.parametrize("on_full", ["eager", "raise"])
+def test_the_memory_cap_refuses_a_capture(lanes, recorded, on_full):
+    stage, _ = make(DrafterGraphs, lanes, lengths=(4, 8), max_pool_bytes=1500, on_full=on_full)
+    small = {"h": torch.randn(1, 3, WIDTH), "y": torch.randint(0, VOCAB, (1, 3))}
+    large = {"h": torch.randn(1, 7, WIDTH), "y": torch.randint(0, VOCAB, (1, 7))}
+    lanes[0].submit(stage.train, 0, small, all_reduce=True).result()
+    if on_full == "raise":
+        with pytest.raises(GraphMemoryError, match="max_pool_bytes=1500"):
+            lanes[0].submit(stage.train, 0, large, all_reduce=True).result()
+        return
+    with pytest.warns(GraphFallbackWarning, match="max_pool_bytes=1500"):
+        lanes[0].submit(stage.train, 0, large, all_reduce=True).result()
+    lanes[0].submit(stage.train, 0, large, all_reduce=True).result()  # eager, no new capture
+    stats = stage.stats()
+    assert stats["lanes"][lanes[0].label]["buckets"] == [(1, 4)]
+    assert stats["fallbacks"]["memory cap"]["count"] == 2
+
+
+def test_a_scheduled_tensor_lr_reaches_the_captured_step(lanes, recorded):
+    data = microbatches(12)
+    runs = []
+    for kind in (EagerDrafter, DrafterGraphs):
+        drafter = Toy()
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=0.05)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+        stage = kind(
+            lanes[:1],
+            drafter=drafter,
+            loss=masked_loss,
+            optimizer=optimizer,
+            accumulate=2,
+            scheduler=scheduler,
+            **({"lengths": (4, 8, 16)} if kind is DrafterGraphs else {}),
+        )
+        runs.append((train_steps(stage, data), drafter))
+    assert_same_training(runs[1], runs[0])
+
+
+def test_a_changed_plain_hyperparameter_makes_the_step_eager(lanes, recorded):
+    stage, _ = make(DrafterGraphs, lanes, lengths=(16,))
+    optimizer = stage._optimizers[0]
+    data = microbatches(8)
+    train_steps(stage, data[:4])
+    optimizer.param_groups[0]["weight_decay"] = 0.5
+    with pytest.warns(GraphFallbackWarning, match="not a tensor changed"):
+        train_steps(stage, data[4:])
+    stats = stage.stats()
+    assert (stats["lanes"][lanes[0].label]["step_eager_runs"]) == 3  # the first and the last two
+    assert stats["fallbacks"]["hyperparameter"]["count"] == 2
+
+
+# --- replicas -------------------------------------------------------------------------------
+def test_two_replicas_sum_their_flat_gradients(lanes):
+    data = microbatches(8)
+    eager, _ = make(EagerDrafter, lanes, n=2)
+    graphs, drafters = make(DrafterGraphs, lanes, n=2)
+    for stage in (eager, graphs):
+        for r in range(2):
+            stage.lanes[r].submit(stage.zero_grad, r).result()
+        for s in range(4):
+            futures = [
+                stage.lanes[r].submit(stage.train, r, data[2 * s + r], all_reduce=True)
+                for r in range(2)
+            ]
+            [f.result() for f in futures]
+            total = stage.lanes[0].submit(stage.reduce, s, [None, None]).result()
+            for r in range(2):
+                stage.lanes[r].submit(stage.step, s, r, (total, None)).result()
+    for p, q in zip(drafters[0].parameters(), drafters[1].parameters(), strict=True):
+        assert torch.equal(p, q)
+    for p, q in zip(drafters[0].parameters(), eager._drafters[0].parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+# --- in a pipeline ---------------------------------------------------------------------------
+def identity_target(batch):
+    return batch
+
+
+@pytest.mark.parametrize("n_drafters", [1, 2])
+def test_a_pipeline_with_graph_drafters_trains_as_with_eager_ones(n_drafters):
+    data = microbatches(12, seed=5)
+    results = []
+    for kind in (EagerDrafter, DrafterGraphs):
+        with pydflash.Dispatcher(["cpu"] * (1 + n_drafters)) as d:
+            stage, drafters = make(kind, d.lanes[1:], n=n_drafters, clip=0.5, accumulate=2)
+            pipe = pydflash.Pipeline(
+                d.lanes[:1], d.lanes[1:], target=identity_target, drafter=stage, accumulate=2
+            )
+            losses = [x for step in pipe.run(data) for x in step.losses()]
+            assert pipe.stats()["steps"] == 6
+            results.append((losses, drafters[0]))
+    assert_same_training(results[1], results[0])
+
+
+def test_a_pipeline_refuses_training_arguments_beside_a_stage(lanes):
+    stage, _ = make(DrafterGraphs, lanes[1:], accumulate=2)
+    kwargs = dict(target=identity_target, drafter=stage)
+    with pytest.raises(ValueError, match="expected no loss, optimizer"):
+        pydflash.Pipeline(
+            lanes[:1], lanes[1:], **kwargs, accumulate=2, loss=masked_loss, optimizer=stage
+        )
+    with pytest.raises(ValueError, match="expected accumulate=2"):
+        pydflash.Pipeline(lanes[:1], lanes[1:], **kwargs, accumulate=4)
+    with pytest.raises(ValueError, match="lanes as the pipeline's drafter lanes"):
+        pydflash.Pipeline(lanes[1:], lanes[:1], **kwargs, accumulate=2)
+
+
+def test_step_losses_are_read_once_when_asked(lanes):
+    stage, _ = make(DrafterGraphs, lanes[1:], accumulate=2)
+    pipe = pydflash.Pipeline(
+        lanes[:1], lanes[1:], target=identity_target, drafter=stage, accumulate=2
+    )
+    (step,) = list(pipe.run(microbatches(2)))
+    first = step.losses()
+    assert all(isinstance(x, float) for x in first) and len(first) == 2
+    assert step.losses() == first and step.loss() == sum(first) / 2
+
+
+# --- on a GPU --------------------------------------------------------------------------------
+@pytest.fixture
+def gpu_lanes():
+    dispatcher = pydflash.Dispatcher(["cuda:0"] * 2)
+    yield dispatcher.lanes
+    dispatcher.shutdown(cancel_futures=True)
+
+
+def on_gpu(data: list[dict]) -> list[dict]:
+    return [{k: t.cuda() for k, t in x.items()} for x in data]
+
+
+def make_gpu(kind, lanes, *, loss=masked_loss, scheduler=None, **kwargs):
+    drafter = Toy().cuda()
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=0.05)
+    stage = kind(
+        lanes[:1],
+        drafter=drafter,
+        loss=loss,
+        optimizer=optimizer,
+        accumulate=2,
+        scheduler=None if scheduler is None else scheduler(optimizer),
+        **kwargs,
+    )
+    return stage, drafter
+
+
+GRAPHS = dict(lengths=(4, 8, 16), policy="graphs")  # keep every graph, however fast
+# Against eager: padding, and capturable AdamW's tensor arithmetic, round differently;
+# Adam's m / sqrt(v) magnifies that where a gradient is near zero. Updates are ~0.05.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_gpu_replayed_steps_train_as_the_eager_drafter_does(gpu_lanes, clip):
+    data = on_gpu(microbatches(16, seed=2))
+    eager, eager_drafter = make_gpu(EagerDrafter, gpu_lanes, clip_grad_norm=clip)
+    graphs_, graph_drafter = make_gpu(DrafterGraphs, gpu_lanes, clip_grad_norm=clip, **GRAPHS)
+    expected = train_steps(eager, data), eager_drafter
+    got = train_steps(graphs_, data), graph_drafter
+    assert_same_training(got, expected, rtol=1e-3, atol=1e-4)
+    stats = graphs_.stats()
+    lane = stats["lanes"][gpu_lanes[0].label]
+    buckets = {
+        (x["h"].shape[0], 4 if x["h"].shape[1] <= 4 else 8 if x["h"].shape[1] <= 8 else 16)
+        for x in data
+    }
+    assert sorted(lane["buckets"]) == sorted(buckets)
+    assert (lane["step"], lane["step_eager_runs"], lane["step_replays"]) == ("graph", 1, 7)
+    assert stats["fallbacks"] == {}
+
+
+@pytest.mark.gpu
+def test_gpu_a_scheduled_lr_reaches_the_captured_step(gpu_lanes):
+    data = on_gpu(microbatches(16, seed=3))
+    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))  # noqa: E731
+    eager, eager_drafter = make_gpu(EagerDrafter, gpu_lanes, scheduler=schedule)
+    graphs_, graph_drafter = make_gpu(DrafterGraphs, gpu_lanes, scheduler=schedule, **GRAPHS)
+    expected = train_steps(eager, data), eager_drafter
+    got = train_steps(graphs_, data), graph_drafter
+    assert_same_training(got, expected, rtol=1e-3, atol=1e-4)
+    assert graphs_.stats()["lanes"][gpu_lanes[0].label]["step_replays"] == 7
+
+
+@pytest.mark.gpu
+def test_gpu_a_loss_that_syncs_runs_eagerly_and_says_why(gpu_lanes):
+    def syncing(drafter, inputs, lengths=None):
+        loss = masked_loss(drafter, inputs, lengths)
+        assert loss.item() > 0  # a host sync: cannot be captured
+        return loss
+
+    data = on_gpu(microbatches(4, seed=4))
+    eager, eager_drafter = make_gpu(EagerDrafter, gpu_lanes, loss=syncing)
+    graphs_, graph_drafter = make_gpu(DrafterGraphs, gpu_lanes, loss=syncing, **GRAPHS)
+    expected = train_steps(eager, data), eager_drafter
+    with pytest.warns(GraphFallbackWarning, match="runs eagerly"):
+        got = train_steps(graphs_, data), graph_drafter
+    assert_same_training(got, expected, rtol=1e-3, atol=1e-4)
+    assert "capture failed" in graphs_.stats()["fallbacks"]
+
+
+@pytest.mark.gpu
+def test_gpu_least_recently_used_graphs_are_evicted(gpu_lanes):
+    stage, _ = make_gpu(DrafterGraphs, gpu_lanes, max_graphs=1, **GRAPHS)
+    for t in (3, 7, 3):
+        x = {
+            "h": torch.randn(1, t, WIDTH, device="cuda"),
+            "y": torch.randint(0, VOCAB, (1, t), device="cuda"),
+        }
+        gpu_lanes[0].submit(stage.train, 0, x, all_reduce=True).result()
+    lane = stage.stats()["lanes"][gpu_lanes[0].label]
+    assert (lane["buckets"], lane["captures"], lane["evictions"]) == ([(1, 4)], 3, 2)
+
+
+@pytest.mark.gpu
+def test_gpu_the_example_drafter_in_bf16_matches_eager_on_variable_lengths(gpu_lanes):
+    from examples.dflash.loops import drafter_loss
+    from examples.dflash.models import TINY_DRAFTER, TINY_TARGET, BlockDrafter
+
+    torch.manual_seed(0)
+    target = TINY_TARGET.build()
+    reference = BlockDrafter(target, TINY_DRAFTER)
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for t in (20, 32, 27, 32, 12, 30, 32, 17):
+        data.append(
+            {
+                "features": torch.randn(2, t, target.feature_dim, generator=g).cuda(),
+                "input_ids": torch.randint(0, TINY_TARGET.vocab, (2, t), generator=g).cuda(),
+            }
+        )
+    runs = []
+    for kind, extra in (
+        (EagerDrafter, {}),
+        (DrafterGraphs, dict(lengths=(16, 32), policy="graphs")),
+    ):
+        drafter = copy.deepcopy(reference).cuda()
+        optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+        stage = kind(
+            gpu_lanes[:1],
+            drafter=drafter,
+            loss=drafter_loss,
+            optimizer=optimizer,
+            accumulate=2,
+            **extra,
+        )
+        runs.append((train_steps(stage, data), drafter))
+    # bf16 autocast: the padded and unpadded passes round differently.
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=2e-2, atol=1e-3)
+    assert stage.stats()["fallbacks"] == {}
