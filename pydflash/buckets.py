@@ -21,11 +21,13 @@ buckets that batches reach are captured, and a lane's graphs share one memory po
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 DEFAULT_GRANULARITY = 4
 DEFAULT_MIN_LENGTH = 128
@@ -162,3 +164,35 @@ def sorted_sizes(values: Iterable[int], name: str) -> tuple[int, ...]:
     if not sizes or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes):
         raise ValueError(f"expected {name} as positive ints, got {values!r}")
     return sizes
+
+
+def pad_values(pad_value: Any, inputs: Any, leaves: list[Any]) -> list[float]:
+    """One pad value per leaf of `inputs`: `pad_value` for every leaf, or, for a dict
+    `pad_value`, its value for the key each leaf sits under (0 for a key it does not name)."""
+    if not isinstance(pad_value, dict):
+        return [pad_value] * len(leaves)
+    if not isinstance(inputs, dict):
+        raise TypeError(f"expected dict inputs for a dict pad_value, got {type(inputs).__name__}")
+    pads = []
+    for key, value in inputs.items():
+        pads += [pad_value.get(key, 0)] * len(pytree.tree_leaves(value))
+    return pads
+
+
+class PaddingTally:
+    """The tokens a stage processed, real and padded, counted from any lane's thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._real = self._processed = 0
+
+    def add(self, real: int, processed: int) -> None:
+        with self._lock:
+            self._real += real
+            self._processed += processed
+
+    def waste(self) -> float:
+        """Padded tokens over all tokens processed (0 before any)."""
+        with self._lock:
+            real, processed = self._real, self._processed
+        return 0.0 if processed == 0 else (processed - real) / processed

@@ -53,6 +53,7 @@ from ._torch_state import match_intra_op_threads
 from .buckets import (
     DEFAULT_GRANULARITY,
     Bucket,
+    PaddingTally,
     batch_shape,
     choose_bucket,
     copy_padded,
@@ -60,6 +61,7 @@ from .buckets import (
     cut_kind,
     ladder,
     pad,
+    pad_values,
     resize,
     signature,
     sorted_sizes,
@@ -162,7 +164,7 @@ class TargetGraphs(TargetStage):
         )
         self._lock = threading.Lock()
         self._rings: dict[Lane, OutputRing] = {}
-        self._tokens = [0, 0]  # real, processed (padding included)
+        self._padding = PaddingTally()
 
     @property
     def warmup_calls(self) -> int:
@@ -224,7 +226,7 @@ class TargetGraphs(TargetStage):
         b, _ = batch_shape(leaves)
         if shapes is None:
             shapes = [(b, length) for length in self.lengths]
-        pads = self._pads(example, leaves)
+        pads = pad_values(self.pad_value, example, leaves)
         batches = [
             pytree.tree_unflatten(
                 [resize(x, Bucket(batch, length), p) for x, p in zip(leaves, pads, strict=True)],
@@ -246,7 +248,6 @@ class TargetGraphs(TargetStage):
         cached = self._cache.stats()
         with self._lock:
             rings = {lane.label: ring for lane, ring in self._rings.items()}
-            real, processed = self._tokens
         lanes = {}
         for label, s in cached["lanes"].items():
             ring = rings.get(label)
@@ -263,7 +264,7 @@ class TargetGraphs(TargetStage):
             "lanes": lanes,
             "fallbacks": cached["fallbacks"],
             "eager_buckets": eager_buckets,
-            "padding_waste": 0.0 if processed == 0 else (processed - real) / processed,
+            "padding_waste": self._padding.waste(),
             "policy": self.policy,
         }
 
@@ -284,7 +285,7 @@ class TargetGraphs(TargetStage):
                     "too long", f"a batch of {b} x {t} is above the largest bucket ({limit})"
                 )
                 return self._eager(batch, b * t)
-            pads = self._pads(batch, leaves)
+            pads = pad_values(self.pad_value, batch, leaves)
             if not lane.is_gpu and self.policy != "eager":
                 return self._padded_eager(leaves, spec, pads, bucket, b, t)
             key = (bucket, spec, signature(leaves))
@@ -303,7 +304,7 @@ class TargetGraphs(TargetStage):
                     if isinstance(x, torch.Tensor):
                         copy_padded(buffer, x, p)
             cache.replay(entry)
-            self._count_tokens(b * t, bucket.batch * bucket.length)
+            self._padding.add(b * t, bucket.batch * bucket.length)
             return self._copy_out(lane, static, b, t)
 
     def _prepare(
@@ -321,7 +322,7 @@ class TargetGraphs(TargetStage):
         self, leaves: list[Any], spec: Any, pads: list[float], bucket: Bucket, b: int, t: int
     ) -> Any:
         out = self.fn(pytree.tree_unflatten(self._padded(leaves, pads, bucket), spec))
-        self._count_tokens(b * t, bucket.batch * bucket.length)
+        self._padding.add(b * t, bucket.batch * bucket.length)
         out_leaves, out_spec = pytree.tree_flatten(out)
         cuts = [cut(x, cut_kind(x, bucket), b, t) for x in out_leaves]
         return pytree.tree_unflatten(
@@ -330,7 +331,7 @@ class TargetGraphs(TargetStage):
 
     def _eager(self, batch: Any, tokens: int) -> Any:
         out = self.fn(batch)
-        self._count_tokens(tokens, tokens)
+        self._padding.add(tokens, tokens)
         return out
 
     @staticmethod
@@ -359,23 +360,6 @@ class TargetGraphs(TargetStage):
             with self._lock:
                 ring = self._rings.setdefault(lane, OutputRing(self.ring_slots))
         return ring
-
-    def _count_tokens(self, real: int, processed: int) -> None:
-        with self._lock:
-            self._tokens[0] += real
-            self._tokens[1] += processed
-
-    def _pads(self, batch: Any, leaves: list[Any]) -> list[float]:
-        if not isinstance(self.pad_value, dict):
-            return [self.pad_value] * len(leaves)
-        if not isinstance(batch, dict):
-            raise TypeError(
-                f"expected a dict batch for a dict pad_value, got {type(batch).__name__}"
-            )
-        pads = []
-        for key, value in batch.items():
-            pads += [self.pad_value.get(key, 0)] * len(pytree.tree_leaves(value))
-        return pads
 
     def __repr__(self) -> str:
         return f"<pydflash.TargetGraphs of {getattr(self.fn, '__qualname__', self.fn)!s}>"

@@ -61,7 +61,6 @@ the step graph: on NCCL between GPUs, on gloo between CPU processes.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -75,11 +74,13 @@ from .._failures import stage_error
 from ..buckets import (
     DEFAULT_GRANULARITY,
     Bucket,
+    PaddingTally,
     batch_shape,
     choose_bucket,
     copy_padded,
     ladder,
     pad,
+    pad_values,
     signature,
     sorted_sizes,
 )
@@ -201,8 +202,7 @@ class DrafterGraphs(EagerDrafter):
             gpu_bound_ratio=gpu_bound_ratio,
             quiet_timeout=quiet_timeout,
         )
-        self._lock = threading.Lock()
-        self._tokens = [0, 0]  # real, processed (padding included)
+        self._padding = PaddingTally()
         self._replicas = [self._replica(r) for r in range(len(self.lanes))]
 
     def _replica(self, r: int) -> _Replica:
@@ -234,9 +234,9 @@ class DrafterGraphs(EagerDrafter):
             detail = f"a microbatch of {b} x {t} is above the largest bucket ({limit})"
             cache.fall_back("too long", detail)
             return self._eager(rep, inputs, b, t)
-        pads = self._pads(inputs, leaves)
+        pads = pad_values(self.pad_value, inputs, leaves)
         if not _captures(rep.lane):
-            self._count_tokens(b * t, bucket.batch * bucket.length)
+            self._padding.add(b * t, bucket.batch * bucket.length)
             padded = [pad(x, bucket, p) for x, p in zip(leaves, pads, strict=True)]
             lengths = lengths_tensor(bucket.batch, b, t, leaves)
             return self._forward_backward(rep, pytree.tree_unflatten(padded, spec), lengths)
@@ -275,7 +275,7 @@ class DrafterGraphs(EagerDrafter):
                     copy_padded(buffer, x, p)
             set_lengths(static.lengths, b, t)
         cache.replay(entry)
-        self._count_tokens(b * t, bucket.batch * bucket.length)
+        self._padding.add(b * t, bucket.batch * bucket.length)
         return entry.outputs.clone()
 
     def reduce(self, step: int, after: Sequence[Any]) -> Gradients:
@@ -337,8 +337,6 @@ class DrafterGraphs(EagerDrafter):
                 "step_replays": rep.step_replays,
                 "step_eager_runs": rep.step_eager_runs,
             }
-        with self._lock:
-            real, processed = self._tokens
         eager_buckets = [
             {**e, "bucket": (e["bucket"].batch, e["bucket"].length)}
             if isinstance(e["bucket"], Bucket)
@@ -349,7 +347,7 @@ class DrafterGraphs(EagerDrafter):
             "lanes": lanes,
             "fallbacks": cached["fallbacks"],
             "eager_buckets": eager_buckets,
-            "padding_waste": 0.0 if processed == 0 else (processed - real) / processed,
+            "padding_waste": self._padding.waste(),
             "policy": self._cache.policy,
         }
 
@@ -370,7 +368,7 @@ class DrafterGraphs(EagerDrafter):
 
     def _eager(self, rep: _Replica, inputs: Any, b: int, t: int) -> torch.Tensor:
         """The microbatch unpadded: every row real."""
-        self._count_tokens(b * t, b * t)
+        self._padding.add(b * t, b * t)
         lengths = lengths_tensor(b, b, t, pytree.tree_leaves(inputs))
         return self._forward_backward(rep, inputs, lengths)
 
@@ -412,22 +410,6 @@ class DrafterGraphs(EagerDrafter):
             flat.zero_()
 
     # --- helpers ----------------------------------------------------------------------------
-    def _count_tokens(self, real: int, processed: int) -> None:
-        with self._lock:
-            self._tokens[0] += real
-            self._tokens[1] += processed
-
-    def _pads(self, inputs: Any, leaves: list[Any]) -> list[float]:
-        if not isinstance(self.pad_value, dict):
-            return [self.pad_value] * len(leaves)
-        if not isinstance(inputs, dict):
-            raise TypeError(
-                f"expected dict inputs for a dict pad_value, got {type(inputs).__name__}"
-            )
-        pads = []
-        for key, value in inputs.items():
-            pads += [self.pad_value.get(key, 0)] * len(pytree.tree_leaves(value))
-        return pads
 
 
 def _captures(lane: Lane) -> bool:
