@@ -23,7 +23,6 @@ every ratio against them is a cross-run comparison, and the rows say so.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -597,31 +596,13 @@ def run(ctx: Context) -> list[Row]:
     return measure(ctx, make_scale(ctx))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="pydflash benchmark: DFlash at Qwen3-8B scale")
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true")
-    size.add_argument("--full", action="store_true", help="SpecForge's accumulation 8, more steps")
-    parser.add_argument("--json", help="also write the rows here")
-    args = parser.parse_args(argv)
-    ctx = Context(
-        quick=args.quick,
-        gpus=torch.cuda.device_count(),
-        progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
-        full=args.full,
-    )
-    rows = run(ctx)
-    for row in rows:
-        value = "-" if row.value is None else f"{row.value:,.4g} {row.unit}"
-        ratio = "" if row.ratio is None else f"  x{row.ratio:.3f} vs {row.baseline_name}"
-        goal = "" if row.target is None else f"  goal {row.target}: {row.met}"
-        print(f"{row.name:56s} {value}{ratio}{goal}")
-        if row.note:
-            print(f"{'':56s} {row.note}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([row.as_dict() for row in rows], f, indent=1, default=str)
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.dflash_scale [--quick | --full] [--json FILE]`: this section alone,
+    through bench.run (its table, JSON and progress)."""
+    from bench import run as suite
+
+    return suite.main(["--sections", "dflash_scale", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -104,7 +104,7 @@ def rows(ctx: Context) -> list[Row]:
 
 
 def make_regime(ctx: Context, name: str, batch: int, target: Any) -> Regime:
-    full = getattr(ctx, "full", False)
+    full = ctx.full and not ctx.quick
     if ctx.gpus:
         job = Job(target, DrafterConfig(), seq=SEQ, batch=batch, accumulate=ACCUMULATE, lr=3e-4)
         placement = Placement(("cuda:0",), ("cuda:0",))
@@ -370,8 +370,8 @@ def main(argv: list[str] | None = None) -> None:
         quick=args.quick,
         gpus=torch.cuda.device_count(),
         progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
+        full=args.full,
     )
-    ctx.full = args.full  # type: ignore[attr-defined]  # read with getattr in make_regime
     out = rows(ctx)
     for row in out:
         value = "not run" if row.value is None else f"{row.value:,.2f} {row.unit}"
