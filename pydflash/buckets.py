@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ._checks import counted
+
 DEFAULT_GRANULARITY = 4
 DEFAULT_MIN_LENGTH = 128
 DEFAULT_MAX_LENGTH = 8192
@@ -196,3 +198,23 @@ class PaddingTally:
         with self._lock:
             real, processed = self._real, self._processed
         return 0.0 if processed == 0 else (processed - real) / processed
+
+
+def bucket_options(
+    lengths: Iterable[int] | None,
+    granularity: int | None,
+    batch_sizes: Iterable[int] | None,
+    pad_value: Any,
+) -> tuple[tuple[int, ...], tuple[int, ...] | None, Any]:
+    """A graph stage's bucket arguments, checked: (lengths, batch_sizes, pad_value).
+    Without `lengths`, the ladder of `granularity` steps per doubling (Note [Bucket ladder])."""
+    if lengths is not None and granularity is not None:
+        raise ValueError("expected lengths or granularity, got both")
+    if lengths is None:
+        lengths = ladder(
+            counted(DEFAULT_GRANULARITY if granularity is None else granularity, "granularity")
+        )
+    if not isinstance(pad_value, (int, float, dict)) or isinstance(pad_value, bool):
+        raise TypeError(f"expected pad_value as a number or a dict, got {type(pad_value).__name__}")
+    sizes = None if batch_sizes is None else sorted_sizes(batch_sizes, "batch_sizes")
+    return sorted_sizes(lengths, "lengths"), sizes, pad_value

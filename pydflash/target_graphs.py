@@ -51,20 +51,18 @@ from ._checks import counted
 from ._future import Future
 from ._torch_state import match_intra_op_threads
 from .buckets import (
-    DEFAULT_GRANULARITY,
     Bucket,
     PaddingTally,
     batch_shape,
+    bucket_options,
     choose_bucket,
     copy_padded,
     cut,
     cut_kind,
-    ladder,
     pad,
     pad_values,
     resize,
     signature,
-    sorted_sizes,
 )
 from .graph_cache import GraphCache
 from .graphs import DEFAULT_QUIET_TIMEOUT, DEFAULT_WARMUP
@@ -139,18 +137,9 @@ class TargetGraphs(TargetStage):
         if not callable(fn):
             raise TypeError(f"expected a callable target, got {type(fn).__name__}")
         self.fn = fn
-        if lengths is not None and granularity is not None:
-            raise ValueError("expected lengths or granularity, got both")
-        if lengths is None:
-            steps = DEFAULT_GRANULARITY if granularity is None else granularity
-            lengths = ladder(counted(steps, "granularity"))
-        self.lengths = sorted_sizes(lengths, "lengths")
-        self.batch_sizes = None if batch_sizes is None else sorted_sizes(batch_sizes, "batch_sizes")
-        if not isinstance(pad_value, (int, float, dict)) or isinstance(pad_value, bool):
-            raise TypeError(
-                f"expected pad_value as a number or a dict, got {type(pad_value).__name__}"
-            )
-        self.pad_value = pad_value
+        self.lengths, self.batch_sizes, self.pad_value = bucket_options(
+            lengths, granularity, batch_sizes, pad_value
+        )
         self.ring_slots = counted(ring, "ring", minimum=0)
         self._cache = GraphCache(
             f"pydflash.TargetGraphs {id(self):x}",

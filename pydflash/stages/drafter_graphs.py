@@ -69,20 +69,17 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import graph_cache
-from .._checks import counted
 from .._failures import stage_error
 from ..buckets import (
-    DEFAULT_GRANULARITY,
     Bucket,
     PaddingTally,
     batch_shape,
+    bucket_options,
     choose_bucket,
     copy_padded,
-    ladder,
     pad,
     pad_values,
     signature,
-    sorted_sizes,
 )
 from ..graph_cache import GraphCache
 from ..graphs import DEFAULT_QUIET_TIMEOUT
@@ -180,18 +177,9 @@ class DrafterGraphs(EagerDrafter):
             clip_grad_norm=clip_grad_norm,
             scheduler=scheduler,
         )
-        if lengths is not None and granularity is not None:
-            raise ValueError("expected lengths or granularity, got both")
-        if lengths is None:
-            steps = DEFAULT_GRANULARITY if granularity is None else granularity
-            lengths = ladder(counted(steps, "granularity"))
-        self.lengths = sorted_sizes(lengths, "lengths")
-        self.batch_sizes = None if batch_sizes is None else sorted_sizes(batch_sizes, "batch_sizes")
-        if not isinstance(pad_value, (int, float, dict)) or isinstance(pad_value, bool):
-            raise TypeError(
-                f"expected pad_value as a number or a dict, got {type(pad_value).__name__}"
-            )
-        self.pad_value = pad_value
+        self.lengths, self.batch_sizes, self.pad_value = bucket_options(
+            lengths, granularity, batch_sizes, pad_value
+        )
         self._cache = GraphCache(
             f"pydflash.DrafterGraphs {id(self):x}",
             warmup=warmup,
