@@ -58,7 +58,7 @@ from bench import fidelity, kernels
 from bench.common import Context, Row, compare, counts_arg, interleaved_medians, not_run
 from bench.pipeline import Setup, step_time
 from examples.dflash.data import MarkovTokens
-from examples.dflash.hf import HFTarget, HFTargetConfig, default_layers
+from examples.dflash.hf import QWEN3_NEXT, HFTarget, HFTargetConfig, default_layers
 from examples.dflash.loops import (
     Job,
     PipelineLoop,
@@ -80,22 +80,8 @@ SIZES = {
     "medium": ("qwen3-next-medium", 4096, 2048),
     "large": ("qwen3-next-large", 2048, 2048),  # the longest microbatch; see LARGE
 }
-# The scale users train at: a Qwen3-Next-style hybrid of about 23 B parameters (the
-# 80 B model's attention and linear-attention heads, a dense MLP), built on the GPU.
-LARGE = dict(
-    vocab_size=151936,
-    hidden_size=5120,
-    num_hidden_layers=64,
-    intermediate_size=17408,
-    num_attention_heads=24,
-    num_key_value_heads=4,
-    head_dim=256,
-    linear_num_value_heads=32,
-    linear_num_key_heads=16,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    num_experts=0,
-)
+# The scale users train at (examples/dflash/hf.py), dense.
+LARGE = dict(QWEN3_NEXT["qwen3-next-large"], num_experts=0)
 LARGE_LENGTHS = (512, 2048)  # microbatch lengths drawn between these
 LARGE_MICROBATCHES = 8
 CPU_SIZE = ("qwen3-next-tiny", 32)

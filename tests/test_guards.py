@@ -58,7 +58,7 @@ def test_a_dispatcher_holds_the_guards_it_names(guard_module):
         (
             {"guard": "fla", "guard_triton": False},
             ValueError,
-            "expected guard=None or \\(\\) with guard=(), got guard='fla'",
+            "expected guard=None or \\(\\) with guard_triton=False, got guard='fla'",
         ),
     ],
     ids=["unknown-name", "not-names", "both-ways"],
@@ -136,6 +136,6 @@ def test_the_old_names_still_switch_every_guard_with_a_deprecation_warning(
         pydflash.unguard_triton()
     assert guard_module.installed() == ()
     with pytest.warns(DeprecationWarning, match="pass guard=\\(\\) for none"):
-        bare = Dispatcher(["cpu"], guard=())
+        bare = Dispatcher(["cpu"], guard_triton=False)
     assert guard_module.installed() == ()
     bare.shutdown()

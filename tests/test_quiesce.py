@@ -273,12 +273,15 @@ def test_timeout_reads_as_the_one_timeout_rule():
             with device_quiet(lane, timeout=timeout) as quiet:
                 return quiet
 
-        # The other lane is idle: it pauses at once. None, infinity and huge numbers wait
-        # forever; zero and less do not wait (an idle lane may not have paused yet).
-        for timeout in (None, 0.5, 5, float("inf"), 1e300):
+        # The other lane is idle: it pauses at once. None and infinity wait forever; zero
+        # and less do not wait (an idle lane may not have paused yet); a finite timeout
+        # past threading.TIMEOUT_MAX is an OverflowError, as the stdlib's waits make it.
+        for timeout in (None, 0.5, 5, float("inf")):
             assert lane.submit(quiet_with, timeout).result(timeout=WAIT_S) is True
         for timeout in (0, -1):
             assert lane.submit(quiet_with, timeout).result(timeout=WAIT_S) in (True, False)
+        with pytest.raises(OverflowError, match="at most threading.TIMEOUT_MAX"):
+            lane.submit(quiet_with, 1e300).result(timeout=WAIT_S)
         with pytest.raises(TypeError, match="expected a timeout in seconds or None"):
             lane.submit(quiet_with, "soon").result(timeout=WAIT_S)
 

@@ -65,6 +65,22 @@ QWEN3_NEXT = {
     ),
     "qwen3-next-small": dict(vocab_size=32000, **_scaled(hidden=1024, layers=8)),
     "qwen3-next-medium": dict(vocab_size=32000, **_scaled(hidden=2048, layers=16)),
+    # The scale users train at: about 23 B parameters, the 80 B model's attention (24
+    # heads of 256, 4 KV heads: SDPA takes cuDNN's attention) and linear-attention heads,
+    # a dense MLP. Build it on the GPU (`with torch.device("cuda")`, bf16), not on a CPU.
+    "qwen3-next-large": dict(
+        vocab_size=151936,
+        hidden_size=5120,
+        num_hidden_layers=64,
+        intermediate_size=17408,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_value_heads=32,
+        linear_num_key_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+    ),
 }
 # Qwen3-Next routes each token to 10 of 512 experts; at 16 experts, 2 keeps it sparse.
 MOE = dict(num_experts=16, num_experts_per_tok=2)

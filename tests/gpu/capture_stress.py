@@ -206,33 +206,15 @@ def build_target(layers: int, tiny: bool) -> tuple[Any, int]:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3NextConfig
 
+    sys.path.insert(0, str(ROOT))  # examples/ is not installed with pydflash
+    from examples.dflash.hf import QWEN3_NEXT
+
     if tiny:
-        config = Qwen3NextConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=2,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            num_experts=0,
-        )
+        config = Qwen3NextConfig(**QWEN3_NEXT["qwen3-next-tiny"], num_experts=0)
         model = AutoModelForCausalLM.from_config(config)
     else:
-        config = Qwen3NextConfig(
-            vocab_size=151936,
-            hidden_size=5120,
-            intermediate_size=17408,
-            num_hidden_layers=layers,
-            num_attention_heads=24,
-            num_key_value_heads=4,
-            head_dim=256,
-            num_experts=0,
-        )
+        large = dict(QWEN3_NEXT["qwen3-next-large"], num_hidden_layers=layers, num_experts=0)
+        config = Qwen3NextConfig(**large)
         torch.set_default_dtype(torch.bfloat16)
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
