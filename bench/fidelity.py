@@ -289,7 +289,9 @@ def autotuner_choices() -> dict[str, str]:
         return {}
     out = {}
     for obj in gc.get_objects():
-        if isinstance(obj, Autotuner):
+        # type(), not isinstance(): isinstance reads obj.__class__, and some objects warn
+        # on any attribute read (torch.distributed's deprecated reduce_op).
+        if issubclass(type(obj), Autotuner):
             name = getattr(getattr(obj, "fn", None), "__name__", type(obj).__name__)
             for key, config in dict(getattr(obj, "cache", {}) or {}).items():
                 out[f"{name} {key}"] = str(config)
