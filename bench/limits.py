@@ -125,9 +125,37 @@ def peak_flops(device: int = 0) -> float | None:
 
 def count_flops(fn: Callable[[], Any]) -> int:
     """FLOPs of one call of fn(), counted by torch.utils.flop_counter (matmuls, convolutions
-    and attention; elementwise work is not counted, as MFU conventions do)."""
+    and attention; elementwise work is not counted, as MFU conventions do). Attention with
+    fewer key/value heads than query heads (grouped-query attention, as Qwen3's) counts as
+    its query heads: torch 2.11's formulas refuse those shapes, and its CPU kernel has none."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=_attention_formulas()) as counter:
         fn()
     return counter.get_total_flops()
+
+
+def _attention_formulas() -> dict[Any, Callable[..., int]]:
+    from torch.utils import flop_counter
+
+    def as_query_heads(query: Any, shape: Any) -> tuple:
+        return (shape[0], query[1], *shape[2:])  # each KV head serves its group of queries
+
+    def forward(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+        kv = as_query_heads(query, key), as_query_heads(query, value)
+        return flop_counter.sdpa_flop_count(query, *kv)
+
+    def backward(grad: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+        kv = as_query_heads(query, key), as_query_heads(query, value)
+        return flop_counter.sdpa_backward_flop_count(grad, query, *kv)
+
+    aten = torch.ops.aten
+    kernels = ("efficient_attention", "flash_attention", "cudnn_attention")
+    kernels += ("flash_attention_for_cpu",)
+    formulas = {}
+    for kernel in kernels:
+        for suffix, formula in (("", forward), ("_backward", backward)):
+            op = getattr(aten, f"_scaled_dot_product_{kernel}{suffix}", None)
+            if op is not None:
+                formulas[op] = formula
+    return formulas

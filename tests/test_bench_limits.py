@@ -32,3 +32,18 @@ def test_host_time_counts_cpu_work_and_not_sleep():
 def test_flop_count_of_a_matmul():
     a, b = torch.randn(8, 16), torch.randn(16, 32)
     assert limits.count_flops(lambda: a @ b) == 2 * 8 * 16 * 32
+
+
+def test_flop_count_of_grouped_query_attention_counts_every_query_head():
+    import torch.nn.functional as F
+
+    q = torch.randn(2, 8, 16, 32, requires_grad=True)
+    k, v = torch.randn(2, 2, 16, 32), torch.randn(2, 2, 16, 32)
+    wide_k, wide_v = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
+
+    def step(key, value, **kwargs):
+        return lambda: F.scaled_dot_product_attention(q, key, value, **kwargs).sum().backward()
+
+    grouped = limits.count_flops(step(k, v, enable_gqa=True))
+    assert grouped > 2 * 2 * (2 * 8 * 16 * 16 * 32)  # the two forward products, and more
+    assert grouped == limits.count_flops(step(wide_k, wide_v))
