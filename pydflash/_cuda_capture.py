@@ -48,6 +48,22 @@ def end_allocate_to_pool(device: int, pool: Any) -> None:
     torch._C._cuda_endAllocateToPool(device, pool)
 
 
+def end_generator_capture() -> None:
+    """Note [A failed capture]: takes the device's default CUDA generator out of capture
+    mode, which a capture that failed after capture_begin leaves it in. An empty capture
+    runs the generator's capture prologue and epilogue once more."""
+    import warnings
+
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The CUDA Graph is empty": it is meant to be
+        graph.capture_begin(capture_error_mode="thread_local")
+        graph.capture_end()
+    graph.reset()
+
+
 def release_pool(device: int, pool: Any) -> None:
     import torch
 

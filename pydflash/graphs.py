@@ -44,7 +44,11 @@ So after any failure, `capture_graph` ends the stream's capture if it is still o
 allocator's recording (`_cuda_endAllocateToPool`) and, if that was still on, gives back the
 pool reference capture_begin took (`_cuda_releasePool`), then resets the graph. torch
 asserts a shared pool's use count is positive: after a failure, a caller with no graph
-left in the pool takes a fresh one.
+left in the pool takes a fresh one. capture_begin also put the device's default CUDA
+generator in capture mode, and only a successful end takes it out: left so, every later
+random op outside a capture raises "Offset increment outside graph capture encountered
+unexpectedly" (seen on the H200, in the tests after a failed capture). An empty capture
+takes it out (`_cuda_capture.end_generator_capture`).
 """
 
 from __future__ import annotations
@@ -393,6 +397,8 @@ def _leave_no_trace(graph: Any | None, device: int, pool: Any) -> None:
     if graph is not None:
         with contextlib.suppress(Exception):
             graph.reset()
+        with contextlib.suppress(Exception):  # a cleanup that fails must not fail the step
+            _cuda.end_generator_capture()
 
 
 def first_line(exc: BaseException) -> str:

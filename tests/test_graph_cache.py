@@ -60,6 +60,7 @@ class FakeCudaGraph:
 
     def capture_begin(self, pool, capture_error_mode):
         assert capture_error_mode == "thread_local"
+        self.cuda.generator_capturing = True  # torch's capture prologue comes first
         self.pool = pool
         self.cuda.allocator.begin(pool)
         if self.cuda.fail_at == "capture_begin":
@@ -74,6 +75,7 @@ class FakeCudaGraph:
                 "CUDA error: operation failed due to a previous error during capture"
             )
         self.cuda.allocator.end(0, self.pool)
+        self.cuda.generator_capturing = False  # the epilogue, after a successful end only
         self.ended = True
 
     def reset(self):
@@ -96,6 +98,10 @@ class FakeCuda:
         self.fail_at = None
         self.quiet = True
         self.made = 0
+        self.generator_capturing = False
+
+    def end_generator_capture(self):
+        self.generator_capturing = False  # an empty capture's prologue, then its epilogue
 
     def new_graph(self):
         self.made += 1
@@ -141,6 +147,7 @@ def cuda(monkeypatch):
     monkeypatch.setattr(_cuda_capture, "end_allocate_to_pool", fake.allocator.end)
     monkeypatch.setattr(_cuda_capture, "release_pool", fake.allocator.release)
     monkeypatch.setattr(_cuda_capture, "device_quiet", fake.device_quiet)
+    monkeypatch.setattr(_cuda_capture, "end_generator_capture", fake.end_generator_capture)
     pools = iter(range(1, 1000))
     monkeypatch.setattr(graph_cache, "_new_pool", lambda: (0, next(pools)))
     monkeypatch.setattr(graph_cache, "pool_bytes", lambda pool, device: 0)
@@ -189,6 +196,7 @@ def test_a_failed_capture_leaves_no_trace(cuda, point):
         graphs.capture_graph(_inject(cuda, point), LANE, pool=pool, warmup=0)
     assert failed.value.kind == "capture failed"
     assert not cuda.capturing and cuda.allocator.recording == []
+    assert not cuda.generator_capturing  # random ops outside a capture work again
     assert cuda.allocator.use_count[pool] == 1  # only the kept graph's reference
     cuda.fail_at = None
     again = graphs.capture_graph(forward(cuda), LANE, pool=pool, warmup=0)
