@@ -4,6 +4,7 @@ and graph launches are covered natively (tests/native/test_device_quiet.cpp)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import os
 import threading
@@ -158,10 +159,10 @@ def test_two_lanes_quiet_the_device_at_once_one_after_the_other():
         assert a.stats()["quiets"] + b.stats()["quiets"] == 2 * ROUNDS
 
 
-def test_a_lane_waiting_for_the_capturer_makes_it_time_out_and_nothing_stays_paused():
+def test_a_lane_busy_in_its_task_makes_the_capturer_time_out_and_nothing_stays_paused():
     with pydflash.Dispatcher(["cpu"] * 3, guard=()) as d:
-        capturer, blocked, free = d.lanes
-        start = threading.Event()
+        capturer, busy, free = d.lanes
+        start, release = threading.Event(), threading.Event()
 
         def capture():
             start.wait(WAIT_S)
@@ -173,20 +174,105 @@ def test_a_lane_waiting_for_the_capturer_makes_it_time_out_and_nothing_stays_pau
             return quiet, waited, on_free
 
         quiet_future = capturer.submit(capture)
-        behind = capturer.submit(lambda: "behind the capture")
-        # blocked's current task waits for the task queued behind the capture.
-        blocked_future = blocked.submit(behind.result, WAIT_S)
+        # busy's current task waits in Python, not on a pydflash future: it is busy.
+        busy_future = busy.submit(release.wait, WAIT_S)
         deadline = time.monotonic() + WAIT_S
-        while not blocked_future.running() and time.monotonic() < deadline:
+        while not busy_future.running() and time.monotonic() < deadline:
             time.sleep(0.001)
         start.set()
         quiet, waited, on_free = quiet_future.result(timeout=WAIT_S)
+        release.set()
         assert quiet is False
         assert 0.25 <= waited < WAIT_S
         assert on_free == "free ran"
-        assert blocked_future.result(timeout=WAIT_S) == "behind the capture"
+        assert busy_future.result(timeout=WAIT_S) is True
         assert capturer.stats()["quiet_timeouts"] == 1
         assert capturer.stats()["quiets"] == 0
+
+
+def _waiting_beside_a_capture(d, capture, wait, box=None):
+    """Runs `wait` on lane 1 and, once it runs, `capture` on lane 0, with a future queued
+    on lane 0 behind the capture (what a drafter waits for while its target captures;
+    appended to `box`, if given, before the capture runs). Returns the futures of the
+    capture, of the wait and the one behind."""
+    capturer, waiter = d.lanes[:2]
+    running, gate = threading.Event(), threading.Event()
+    capturer.submit(gate.wait, WAIT_S)  # holds lane 0 until the waiter waits
+    quiet_future = capturer.submit(capture)
+    behind = capturer.submit(lambda: "from behind the capture")
+    if box is not None:
+        box.append(behind)
+
+    def task():
+        running.set()
+        return wait(behind)
+
+    waiting = waiter.submit(task)
+    assert running.wait(WAIT_S)
+    time.sleep(0.05)  # in its wait by now (the test passes either way)
+    gate.set()
+    return quiet_future, waiting, behind
+
+
+@pytest.mark.parametrize("how", ["result", "exception", "wait_all"])
+def test_a_lane_blocked_on_a_future_counts_as_paused(how):
+    wait = {
+        "result": lambda f: f.result(timeout=WAIT_S),
+        "exception": lambda f: (f.exception(timeout=WAIT_S), f.result())[1],
+        "wait_all": lambda f: pydflash.wait_all([f], timeout=WAIT_S)[0],
+    }[how]
+    with pydflash.Dispatcher(["cpu"] * 3, guard=()) as d:
+        capturer = d.lanes[0]
+
+        def capture():
+            begin = time.monotonic()
+            with device_quiet(capturer, timeout=WAIT_S) as quiet:
+                return quiet, time.monotonic() - begin
+
+        quiet_future, waiting, _ = _waiting_beside_a_capture(d, capture, wait)
+        quiet, took = quiet_future.result(timeout=2 * WAIT_S)
+        assert quiet is True
+        assert took < WAIT_S / 4
+        assert waiting.result(timeout=WAIT_S) == "from behind the capture"
+        assert capturer.stats()["quiets"] == 1
+        assert capturer.stats()["quiet_timeouts"] == 0
+
+
+@pytest.mark.parametrize("ends_by", ["timeout", "cancel"])
+def test_a_wait_that_ends_inside_a_quiet_returns_to_python_once_the_quiet_ends(ends_by):
+    with pydflash.Dispatcher(["cpu"] * 2, guard=()) as d:
+        capturer, waiter = d.lanes
+        behind: list = []
+        quiet_ended: list[float] = []
+        main_woke: list[float] = []
+
+        def capture():
+            with device_quiet(capturer, timeout=WAIT_S) as quiet:
+                if ends_by == "cancel":
+                    assert behind[0].cancel()
+                time.sleep(0.8)  # the waiter's wait ends meanwhile
+                quiet_ended.append(time.monotonic())
+            return quiet
+
+        def wait(f):
+            try:
+                f.result(timeout=0.3 if ends_by == "timeout" else WAIT_S)
+            except (TimeoutError, concurrent.futures.CancelledError) as e:
+                return type(e).__name__, time.monotonic()
+            return "returned", time.monotonic()
+
+        quiet_future, waiting, f = _waiting_beside_a_capture(d, capture, wait, behind)
+        if ends_by == "cancel":
+            # The main thread, no lane's worker, returns as soon as the wait ends.
+            with pytest.raises(concurrent.futures.CancelledError):
+                f.result(timeout=WAIT_S)
+            main_woke.append(time.monotonic())
+        assert quiet_future.result(timeout=WAIT_S) is True
+        outcome, returned_at = waiting.result(timeout=WAIT_S)
+        assert outcome == {"timeout": "TimeoutError", "cancel": "CancelledError"}[ends_by]
+        assert returned_at >= quiet_ended[0]
+        assert all(t < quiet_ended[0] for t in main_woke)
+        assert waiter.stats()["pauses"] >= 1
 
 
 def test_shutdown_with_cancel_of_a_paused_lane_cancels_at_once_and_exits_after_the_quiet():

@@ -19,6 +19,10 @@ struct Registry {
 
 std::atomic<Registry*> current_registry{nullptr};
 
+// The quiet device and membership of the lane whose worker this thread is (QuietWait).
+thread_local QuietDevice* bound_device = nullptr;
+thread_local QuietMember* bound_member = nullptr;
+
 // Longer timeouts (infinity included) wait forever: a deadline this far overflows the clock.
 constexpr double kForeverS = 1e9;
 
@@ -28,8 +32,12 @@ Registry& registry() {
     // A forked child has one thread: the parent's registry may be locked by a thread that
     // does not exist there, and its quiets belong to lanes that do not run there. The
     // child starts afresh and leaks the parent's.
-    pthread_atfork(nullptr, nullptr,
-                   [] { current_registry.store(new Registry, std::memory_order_release); });
+    // The forking thread, the child's one, is no lane's worker there either.
+    pthread_atfork(nullptr, nullptr, [] {
+      current_registry.store(new Registry, std::memory_order_release);
+      bound_device = nullptr;
+      bound_member = nullptr;
+    });
     return true;
   }();
   (void)made;
@@ -86,7 +94,8 @@ void QuietDevice::pause(QuietMember& member) {
 
 bool QuietDevice::others_paused(const QuietMember& holder) const {
   for (const QuietMember* m : members_) {
-    if (m != &holder && !m->paused && !m->waiting) return false;
+    if (m != &holder && !m->paused && !m->waiting && !m->blocked.load(std::memory_order_seq_cst))
+      return false;
   }
   return true;
 }
@@ -107,7 +116,8 @@ bool QuietDevice::quiesce(QuietMember& member, double timeout_s) {
   }
   holder_ = &member;
   depth_ = 0;
-  requested_.store(true, std::memory_order_relaxed);
+  // seq_cst, then others_paused() loads `blocked`: see QuietDevice::begin_wait.
+  requested_.store(true, std::memory_order_seq_cst);
   for (QuietMember* m : members_) {
     if (m != &member && !m->paused && !m->waiting && m->poke) m->poke();
   }
@@ -147,6 +157,50 @@ void QuietDevice::end_locked() {
   depth_ = 0;
   requested_.store(false, std::memory_order_relaxed);
   cv_.notify_all();
+}
+
+void QuietDevice::bind_thread(QuietDevice* device, QuietMember* member) {
+  bound_device = device;
+  bound_member = member;
+}
+
+// A waiter stores `blocked`, then loads requested_; a holder stores requested_, then
+// loads `blocked` (others_paused()), all seq_cst: at least one sees the other's store.
+// The holder that sees the waiter blocked counts it paused; the waiter that sees a quiet
+// requested wakes the holder through the mutex (which the holder holds while it checks).
+void QuietDevice::begin_wait(QuietMember& member) {
+  member.blocked.store(true, std::memory_order_seq_cst);
+  if (requested_.load(std::memory_order_seq_cst)) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    cv_.notify_all();  // the holder may be waiting for this member
+  }
+}
+
+// The same pairing: a holder that saw the waiter still blocked took the quiet before
+// this load, which then sees it requested, and the waiter pauses; a waiter that sees none
+// requested was not blocked for any holder that comes later, which waits for it (and
+// pokes it) as for any lane inside a task.
+void QuietDevice::end_wait(QuietMember& member) {
+  member.blocked.store(false, std::memory_order_seq_cst);
+  if (!requested_.load(std::memory_order_seq_cst)) return;
+  std::unique_lock<std::mutex> lock(mutex_);
+  // A holder's own waits go on: its quiet is its task's.
+  if (holder_ == nullptr || holder_ == &member) return;
+  const int64_t start = now_ns();
+  member.paused = true;
+  ++member.pauses;
+  cv_.notify_all();
+  cv_.wait(lock, [&] { return holder_ == nullptr; });
+  member.paused = false;
+  member.paused_ns += now_ns() - start;
+}
+
+QuietWait::QuietWait() : device_(bound_device), member_(bound_member) {
+  if (member_ != nullptr) device_->begin_wait(*member_);
+}
+
+QuietWait::~QuietWait() {
+  if (member_ != nullptr) device_->end_wait(*member_);
 }
 
 QuietStats QuietDevice::stats(const QuietMember& member) {

@@ -41,24 +41,47 @@ namespace pydflash {
 // device, allocate through cudaMalloc outside the caching allocator, or query or wait on
 // events recorded on the capturing stream while the capture is open; and the capture
 // itself must not wait for work of another lane of its device (that lane is paused: the
-// capture would wait until the timeout of nothing, forever). The lanes' device watcher
-// threads keep waiting on the events of graph launches made before the quiet; those
-// events are on other lanes' streams and are never captured, which CUDA allows beside a
+// capture would wait until the timeout of nothing, forever), that lane's current task
+// included (a task blocked in a future wait counts as paused, below). The lanes' device
+// watcher threads keep waiting on the events of graph launches made before the quiet;
+// those events are on other lanes' streams and are never captured, which CUDA allows beside a
 // thread_local capture (a "global" one forbids them: use thread_local).
 //
+// Waits are safe points: a lane whose task is blocked in a wait on a pydflash future
+// (FutureState::wait: Future.result(), exception(), wait_all, everything that waits
+// natively) counts as paused while it waits (QuietWait). A waiting thread makes no CUDA
+// call and holds no GIL; what it waits for is another lane's task, which the quiet orders
+// like any other. Without this, a task waiting for the capturer's own work (a drafter
+// waiting for its target's microbatch while the target lane captures a bucket) would hold
+// the capturer until its timeout, and the capture would never happen. When such a wait
+// ends while another lane holds the quiet, the waiter pauses there, without the GIL,
+// before it returns to its task, as it would between tasks. A wait that needs no blocking
+// (the future is done) does not touch the quiet; one on a thread that is no lane's worker
+// costs one thread-local read. Waits in Python (threading, concurrent.futures.wait) are
+// not seen: such a lane is busy, as in any other task.
+//
 // Why this is enough: the failures above come from two host threads using one device's
-// shared library state at once. With every lane paused between tasks, the capturing task
-// is the only pydflash code using the device; work already queued on the GPU by earlier
-// tasks keeps running, which a capture does not mind (it records calls, not execution).
+// shared library state at once. With every lane paused between tasks or in a wait, the
+// capturing task is the only pydflash code using the device; work already queued on the
+// GPU by earlier tasks keeps running, which a capture does not mind (it records calls,
+// not execution).
 //
 // Deadlock freedom:
 //   - A lane waiting to quiesce while another holds the device counts as paused (it runs
 //     nothing while it waits), so two capturers never wait for each other: one goes
 //     first, the other once it has ended. The waiting one cannot give up early: it would
 //     go on running work beside the other's capture.
+//   - A lane blocked in a future wait counts as paused, so a task that waits for the
+//     capturer's work (a future queued behind the capture on its lane) does not hold
+//     the capturer. The waiter marks itself blocked and then checks for a quiet; the
+//     holder marks the quiet and then checks the members (all seq_cst): one sees the
+//     other, so a waiter either counts as paused or is waited for like a running task,
+//     and one that wakes inside a quiet pauses before running anything. It pauses holding
+//     no lock and no GIL, like a paused lane; the holder's own waits never pause.
 //   - The holder gives up when the others have not all paused within its timeout, and
-//     lets go of those that had: a lane whose current task waits for the capturer (a
-//     future queued behind the capture on its lane) holds the capturer only that long.
+//     lets go of those that had: a lane whose current task is busy otherwise (computing,
+//     or waiting on something that is not a pydflash future) holds the capturer only that
+//     long.
 //   - A paused lane holds no GIL and no lock. Shut down while paused, it stays paused
 //     until the quiet ends, then goes on as shutdown asked (its queued tasks cancelled,
 //     or run as an executor runs them) and exits: the quiet lasts as long as the capture's
@@ -67,11 +90,13 @@ namespace pydflash {
 //     leaves behind holds nothing the exit needs. A lane whose worker exits leaves its
 //     device, and a quiet still held by a lane's task ends before that lane's next task.
 //   - A forked child starts with a fresh registry: nothing a parent's lane held or waited
-//     for is seen there.
+//     for is seen there, and its one thread (the forking one, maybe a lane's worker in
+//     the parent) is no lane's worker: its future waits do not touch the quiet.
 //
 // Cost when nobody quiesces: one relaxed load of requested() per task in the worker
-// loop. A lane asleep on an empty queue is woken by a pause check posted to its queue,
-// whose pop orders the request before the worker's load (the queue's mutex).
+// loop, and per blocking future wait on a worker two stores and two loads of atomics. A lane asleep
+// on an empty queue is woken by a pause check posted to its queue, whose pop orders the request
+// before the worker's load (the queue's mutex).
 
 /// A lane's membership of its device's QuietDevice. The fields are guarded by the
 /// device's mutex, except `worker`.
@@ -81,6 +106,9 @@ struct QuietMember {
   std::atomic<std::thread::id> worker{};  // set once the worker thread runs
   bool paused = false;                    // in pause(): runs nothing until the quiet ends
   bool waiting = false;                   // in quiesce(), waiting for another quiet to end
+  /// In a future wait (QuietWait): counts as paused. Written by the worker without the
+  /// device's mutex (see QuietWait).
+  std::atomic<bool> blocked{false};
   // Stats.
   uint64_t pauses = 0;
   int64_t paused_ns = 0;
@@ -131,13 +159,20 @@ class QuietDevice {
   /// Ends a quiesce() that returned true. False when `member` holds no quiet.
   bool resume(QuietMember& member);
 
+  /// Makes the calling thread `member`'s worker for QuietWait (null: none). Called by
+  /// the worker itself as it starts and before it leaves the device.
+  static void bind_thread(QuietDevice* device, QuietMember* member);
+
   QuietStats stats(const QuietMember& member);
   /// Who holds the quiet now (tests).
   bool held_by(const QuietMember& member);
 
  private:
+  friend class QuietWait;
   bool others_paused(const QuietMember& holder) const;  // locked
   void end_locked();
+  void begin_wait(QuietMember& member);
+  void end_wait(QuietMember& member);
 
   const int device_;
   std::mutex mutex_;
@@ -146,8 +181,26 @@ class QuietDevice {
   QuietMember* holder_ = nullptr;
   int depth_ = 0;  // nested quiesce() calls of the holder
   // holder_ != nullptr; written under mutex_. Read by every worker of the device before
-  // each task: on a line of its own, which only a quiet's start and end write.
+  // each task (relaxed), and by QuietWait (seq_cst, against `blocked`): on a line of its
+  // own, which only a quiet's start and end write.
   alignas(64) std::atomic<bool> requested_{false};
+};
+
+/// Note [Quiet device for capture]: a future wait is a safe point. Held around a
+/// blocking wait (FutureState::wait): on a lane's worker, the lane counts as paused for
+/// its device's quiets while the wait lasts; when it ends while another lane holds the
+/// quiet, the destructor pauses until that quiet ends, as a worker pauses between tasks.
+/// On any other thread it does nothing beyond one thread-local read.
+class QuietWait {
+ public:
+  QuietWait();
+  ~QuietWait();
+  QuietWait(const QuietWait&) = delete;
+  QuietWait& operator=(const QuietWait&) = delete;
+
+ private:
+  QuietDevice* const device_;
+  QuietMember* const member_;
 };
 
 }  // namespace pydflash

@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "core/clock.h"
+#include "core/device_quiet.h"
 #include "core/error.h"
 #include "core/event_pool.h"
 #include "core/fork.h"
@@ -76,6 +77,9 @@ void FutureState::publish() {
 bool FutureState::wait(double timeout_s, int64_t spin_ns, int64_t slice_ns,
                        const std::function<bool()>& interrupted) {
   if (done()) return true;
+  // Note [Quiet device for capture]: a lane waiting here counts as paused, and pauses
+  // before it returns while another lane holds its device quiet.
+  QuietWait quiet_wait;
   const int64_t start = now_ns();
   const bool forever = timeout_s < 0;
   const int64_t deadline = forever ? INT64_MAX : deadline_after(start, timeout_s);

@@ -318,10 +318,14 @@ void Lane::worker_main() {
   if (is_gpu()) device::set_device(device_);
   interpreter_->thread_started(*this);
   quiet_member_.worker.store(std::this_thread::get_id());
+  QuietDevice::bind_thread(&quiet_, &quiet_member_);  // its future waits pause for quiets
   // Leaves the device however the loop ends, also when this thread is ended at exit.
   struct LeaveQuiet {
     Lane& lane;
-    ~LeaveQuiet() { lane.quiet_.leave(lane.quiet_member_); }
+    ~LeaveQuiet() {
+      QuietDevice::bind_thread(nullptr, nullptr);
+      lane.quiet_.leave(lane.quiet_member_);
+    }
   } leave_quiet{*this};
   Task task;
   int64_t spin_ns = options_.spin_ns;
@@ -349,6 +353,7 @@ void Lane::worker_main() {
     }
     task.future.reset();
   }
+  QuietDevice::bind_thread(nullptr, nullptr);
   quiet_.leave(quiet_member_);  // before exited_: a joiner finds the lane off its device
   leave();
   interpreter_->thread_exiting();

@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/clock.h"
 #include "core/error.h"
 #include "core/future.h"
 #include "core/lane.h"
@@ -138,23 +139,94 @@ TEST_CASE("quiet: two lanes quiesce at once; one goes first, the other waits as 
         static_cast<uint64_t>(2 * rounds));
 }
 
-TEST_CASE("quiet: a lane waiting for the capturer makes it time out, and nothing stays paused") {
+TEST_CASE("quiet: a lane busy in its task makes the capturer time out, and nothing stays paused") {
   Lanes lanes({0, 0, 0});
-  std::atomic<bool> go{false};
+  std::atomic<bool> go{false}, release{false};
   bool quiet = true, free_ran = false;
   auto capture = submit(lanes[0], false, [&](Lane& lane) {
     while (!go.load()) std::this_thread::yield();
     quiet = lane.quiesce(0.2);
     free_ran = wait(*submit(lanes[2], false, [](Lane&) {}));
+    release.store(true);
   });
-  auto behind = submit(lanes[0], false, [](Lane&) {});
-  auto blocked = submit(lanes[1], false, [&](Lane&) { wait(*behind); });
-  while (blocked->status() != FutureStatus::Running) std::this_thread::yield();
+  // Busy, but not in a future wait (which would count as paused).
+  auto busy = submit(lanes[1], false, [&](Lane&) {
+    while (!release.load()) std::this_thread::yield();
+  });
+  while (busy->status() != FutureStatus::Running) std::this_thread::yield();
   go.store(true);
-  CHECK(wait(*capture) && wait(*blocked));
+  CHECK(wait(*capture) && wait(*busy));
   CHECK(!quiet);
   CHECK(free_ran);
   CHECK(lanes[0].quiet_stats().quiet_timeouts == 1 && lanes[0].quiet_stats().quiets == 0);
+}
+
+void finish(FutureState& future) {
+  CHECK(future.try_start());
+  future.finish();
+  future.publish();
+}
+
+TEST_CASE("quiet: a lane blocked in a future wait counts as paused, and wakes into a pause") {
+  Lanes lanes({0, 0, 0});
+  // Lane 1's task waits for what the capture produces (a drafter waiting for its target).
+  FutureState produced(1'000'001), by_main(1'000'002), never(1'000'003);
+  bool got = false, quiet = false, own_wait_timed_out = false;
+  int64_t quiet_took_ns = -1, waiter_woke_ns = 0, quiet_ended_ns = 0;
+  auto waiter = submit(lanes[1], false, [&](Lane&) {
+    got = wait(produced);
+    waiter_woke_ns = now_ns();
+  });
+  while (waiter->status() != FutureStatus::Running) std::this_thread::yield();
+  auto capture = submit(lanes[0], false, [&](Lane& lane) {
+    const int64_t start = now_ns();
+    quiet = lane.quiesce(kWaitS);
+    quiet_took_ns = now_ns() - start;
+    // The holder's own waits do not pause.
+    own_wait_timed_out = !never.wait(0.02, 2'000, 1'000'000, nullptr);
+    // Woken inside the quiet: lane 1 pauses before it goes on; the main thread, no
+    // lane's worker, goes on at once.
+    finish(produced);
+    finish(by_main);
+    sleep_ms(100);
+    quiet_ended_ns = now_ns();
+    lane.resume();
+  });
+  CHECK(wait(by_main));
+  const int64_t main_woke_ns = now_ns();
+  CHECK(wait(*capture) && wait(*waiter));
+  CHECK(quiet);
+  CHECK(quiet_took_ns >= 0);
+  CHECK(quiet_took_ns < 2'000'000'000);  // the timeout is kWaitS
+  CHECK(own_wait_timed_out);
+  CHECK(got);
+  CHECK(waiter_woke_ns >= quiet_ended_ns);
+  CHECK(main_woke_ns < quiet_ended_ns);
+  CHECK(lanes[1].quiet_stats().pauses >= 1);
+  CHECK(lanes[0].quiet_stats().quiets == 1 && lanes[0].quiet_stats().quiet_timeouts == 0);
+}
+
+TEST_CASE("quiet: a lane whose wait ends outside a quiet runs on, and pauses between tasks") {
+  Lanes lanes({0, 0});
+  FutureState produced(1'000'004);
+  std::atomic<bool> woke{false}, release{false};
+  bool got = false;
+  auto waiter = submit(lanes[1], false, [&](Lane&) {
+    got = wait(produced);
+    woke.store(true);
+    while (!release.load()) std::this_thread::yield();  // busy: not paused
+  });
+  while (waiter->status() != FutureStatus::Running) std::this_thread::yield();
+  finish(produced);
+  while (!woke.load()) std::this_thread::yield();
+  bool quiet = true;
+  auto capture = submit(lanes[0], false, [&](Lane& lane) {
+    quiet = lane.quiesce(0.1);
+    release.store(true);
+  });
+  CHECK(wait(*capture) && wait(*waiter));
+  CHECK(got);
+  CHECK(!quiet);  // lane 1 no longer counted as paused once its wait ended
 }
 
 TEST_CASE("quiet: a lane shut down while paused exits once the quiet ends") {
