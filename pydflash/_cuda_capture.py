@@ -50,17 +50,16 @@ def end_allocate_to_pool(device: int, pool: Any) -> None:
 
 def end_generator_capture() -> None:
     """Note [A failed capture]: takes the device's default CUDA generator out of capture
-    mode, which a capture that failed after capture_begin leaves it in. An empty capture
-    runs the generator's capture prologue and epilogue once more."""
-    import warnings
-
+    mode, which a capture that failed after capture_begin leaves it in. A capture of one
+    random draw runs the generator's capture prologue and epilogue once more (the draw
+    makes sure the generator takes part, however torch registers it)."""
     import torch
 
+    draw = torch.empty(1, device=torch.cuda.current_device())
     graph = torch.cuda.CUDAGraph()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "The CUDA Graph is empty": it is meant to be
-        graph.capture_begin(capture_error_mode="thread_local")
-        graph.capture_end()
+    graph.capture_begin(capture_error_mode="thread_local")
+    draw.uniform_()
+    graph.capture_end()
     graph.reset()
 
 

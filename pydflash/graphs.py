@@ -47,8 +47,8 @@ asserts a shared pool's use count is positive: after a failure, a caller with no
 left in the pool takes a fresh one. capture_begin also put the device's default CUDA
 generator in capture mode, and only a successful end takes it out: left so, every later
 random op outside a capture raises "Offset increment outside graph capture encountered
-unexpectedly" (seen on the H200, in the tests after a failed capture). An empty capture
-takes it out (`_cuda_capture.end_generator_capture`).
+unexpectedly" (seen on the H200, in the tests after a failed capture). A capture of one
+random draw takes it out (`_cuda_capture.end_generator_capture`).
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class FakeCuda:
         self.generator_capturing = False
 
     def end_generator_capture(self):
-        self.generator_capturing = False  # an empty capture's prologue, then its epilogue
+        self.generator_capturing = False  # a capture's prologue, then its epilogue
 
     def new_graph(self):
         self.made += 1
