@@ -73,8 +73,7 @@ class HiddenBytes:
 
     Invariant: `held` is the sum of the microbatches' entries, `peak` the most `held`
     has been, and `per_microbatch` the most one entry has been. A microbatch that left
-    before its target finished is closed: its target's bytes, should they arrive, are
-    not counted, as no drafter takes them."""
+    is closed: its target's bytes, should they arrive after it left, are not counted."""
 
     def __init__(self) -> None:
         self._by_microbatch: dict[int, int] = {}
@@ -93,17 +92,17 @@ class HiddenBytes:
         self._held += nbytes
         self._peak = max(self._peak, self._held)
 
-    def release(self, k: int, *, target_may_follow: bool) -> None:
-        """Microbatch k left; with target_may_follow (its drafter did not take the
-        target's result), it is closed."""
-        if target_may_follow:
-            self._closed.add(k)
+    def release(self, k: int) -> None:
+        """Microbatch k left, and is closed: its target's bytes may still be counted after
+        its drafter took them (the target's done-callback can run after the drafter has
+        finished), and must then not be."""
+        self._closed.add(k)
         self._held -= self._by_microbatch.pop(k, 0)
 
     def release_all(self) -> None:
         """Every microbatch left (the pipeline stopped); all are closed."""
         for k in list(self._by_microbatch):
-            self.release(k, target_may_follow=True)
+            self.release(k)
 
     def new_run(self) -> None:
         """A run starts: microbatch indices after a stop repeat earlier ones, so none is

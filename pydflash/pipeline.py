@@ -372,9 +372,7 @@ class Pipeline:
                     self._outstanding.fail(failure)
                 if flight is not None:
                     flight.ended = True
-                    # A drafter that trained took its target's result, so the target's
-                    # bytes were counted already; otherwise they may still arrive.
-                    self._hidden.release(flight.k, target_may_follow=not trained)
+                    self._hidden.release(flight.k)
                     self._microbatches += trained
                 self._cond.notify_all()
 

@@ -40,16 +40,20 @@ def test_the_hidden_byte_ledger_counts_what_is_held():
     ledger.hold(0, 100)  # microbatch 0's target result
     ledger.hold(0, 50)  # its copy on the drafter's device
     ledger.hold(1, 100)
-    ledger.release(0, target_may_follow=False)
+    ledger.release(0)
     ledger.hold(2, 0)  # opens no entry
     assert ledger.stats() == {
         "hidden_bytes_held": 100,
         "hidden_bytes_peak": 250,
         "hidden_bytes_per_microbatch": 150,
     }
-    # Microbatch 3 left before its target finished: its bytes do not count when they come.
-    ledger.release(3, target_may_follow=True)
+    # Microbatch 3 left before its target's bytes were counted (its target failed, or the
+    # target's done-callback ran after the drafter finished): they do not count when they come.
+    ledger.release(3)
     ledger.hold(3, 500)
+    ledger.release(0)
+    ledger.hold(0, 100)  # a late callback of a microbatch that trained
+    assert ledger.stats()["hidden_bytes_held"] == 100  # microbatch 1's alone
     ledger.release_all()
     ledger.hold(1, 70)  # closed by release_all
     assert ledger.stats()["hidden_bytes_held"] == 0
