@@ -353,37 +353,3 @@ def pipeline_row(
         drafter_busy_ms=busy[1],
         **extra,
     )
-
-
-def main(argv: list[str] | None = None) -> None:
-    """python -m bench.pipeline_limits [--quick] [--full] [--json FILE]: these rows alone."""
-    import argparse
-    import json
-    import sys
-
-    parser = argparse.ArgumentParser(description="the pipeline against its GPU-busy limit")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--full", action="store_true", help="more repetitions")
-    parser.add_argument("--json", help="also write the rows here")
-    args = parser.parse_args(argv)
-    ctx = Context(
-        quick=args.quick,
-        gpus=torch.cuda.device_count(),
-        progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
-        full=args.full,
-    )
-    out = rows(ctx)
-    for row in out:
-        value = "not run" if row.value is None else f"{row.value:,.2f} {row.unit}"
-        ratio = "" if row.ratio is None else f"  x{row.ratio:.3f} vs {row.baseline_name}"
-        goal = "" if row.target is None else f"  goal {row.target}: {row.met}"
-        print(f"{row.name}: {value}{ratio}{goal}")
-        if row.note:
-            print(f"    {row.note}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([row.as_dict() for row in out], f, indent=1, default=str)
-
-
-if __name__ == "__main__":
-    main()
