@@ -215,7 +215,7 @@ def _nothing() -> None:
 
 def _cold_start(ctx: Context) -> list[Row]:
     lanes = max(2, 2 * ctx.gpus) if ctx.gpus else 4
-    kernels, configs = (3, 3) if ctx.quick else (6, 4)
+    kernels, configs = ctx.pick(full=(6, 4), quick=(3, 3), default=(3, 4))
     common = ["--lanes", str(lanes), "--kernels", str(kernels), "--configs", str(configs)]
     runs = {
         mode: _child(["cold", "--mode", mode, *common], interpret=not ctx.gpus)

@@ -51,7 +51,7 @@ def run(ctx: Context) -> list[Row]:
         config = {
             "width": 256,
             "forwards": ctx.reps(24, 8, default=8),
-            "reps": ctx.reps(25, 5, default=10),
+            "reps": ctx.reps(25, 5, default=6),
         }
     else:
         counts = [2]

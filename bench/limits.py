@@ -8,7 +8,7 @@ its Python, not by the GPU.
 
 GPU-busy time is the union of the intervals in which any kernel, copy or memset ran on
 a device, per device, from the profiler's device activity (kineto/CUPTI): kernels that
-overlap on two streams count once. Host time is the user + system CPU time of every
+overlap on two streams count once. Host time is the CPU time of every
 thread of the process (Linux /proc), idle lane workers' polling included, so it is an
 upper bound on what the stage's Python cost. Without a GPU, gpu_busy_ms is None.
 """
@@ -46,20 +46,47 @@ class Cost:
 
 def thread_cpu_seconds() -> float:
     """User + system CPU seconds of every live thread of this process."""
-    total = 0.0
+    by_name = thread_cpu_by_name()
+    return time.process_time() if by_name is None else sum(by_name.values())
+
+
+def thread_cpu_by_name() -> dict[str, float] | None:
+    """CPU seconds of the process's live threads, summed by thread name ("main" for the
+    main thread; pydflash's lane workers are "pydflash-laneN"); None where /proc is
+    missing (not Linux). Each thread's time on a CPU in ns from /proc/.../schedstat, or
+    where the kernel keeps no schedstat, user + system time in clock ticks (10 ms)."""
     ticks = os.sysconf("SC_CLK_TCK")
     try:
         tids = os.listdir("/proc/self/task")
-    except FileNotFoundError:  # not Linux: the process's time (threads included)
-        return time.process_time()
+    except FileNotFoundError:
+        return None
+    out: dict[str, float] = {}
+    main = str(os.getpid())
     for tid in tids:
+        task = f"/proc/self/task/{tid}"
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"{task}/stat") as f:
+                head, fields = f.read().rsplit(")", 1)
+            try:
+                with open(f"{task}/schedstat") as f:
+                    seconds = int(f.read().split()[0]) / 1e9
+            except (OSError, ValueError, IndexError):
+                fields = fields.split()
+                seconds = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
         except OSError:  # the thread ended meanwhile
             continue
-        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
-    return total
+        name = "main" if tid == main else head.split("(", 1)[1]
+        out[name] = out.get(name, 0.0) + seconds
+    return out
+
+
+def cpu_ms_by_name(before: dict[str, float] | None, after: dict[str, float] | None, calls: int):
+    """Per call, ms of CPU time by thread name between two thread_cpu_by_name() readings
+    (threads that did not run left out); None without /proc."""
+    if before is None or after is None:
+        return None
+    spent = {k: (v - before.get(k, 0.0)) * 1e3 / calls for k, v in after.items()}
+    return {k: round(v, 3) for k, v in sorted(spent.items(), key=lambda kv: -kv[1]) if v > 0}
 
 
 def measure(fn: Callable[[], Any], *, reps: int, warmup: int = 1, sync: bool = True) -> Cost:

@@ -41,7 +41,7 @@ from examples.dflash.loops import (
 from examples.dflash.models import TINY_DRAFTER, TINY_TARGET, DrafterConfig, TargetConfig
 
 SECTION = "pipeline"
-DEPTHS = (1, 2, 3, 4)
+DEPTHS = (1, 2, 3, 4)  # --full; the default and --quick runs take the first two
 CPU_NOTE = (
     "needs a GPU: on CPU lanes both stages compute on the host's shared cores, "
     "and tiny ops hold the GIL, so the stages cannot overlap"
@@ -151,9 +151,10 @@ def loop_times(setup: Setup, ctx: Context) -> dict[str, float]:
     job, placement = setup.job, setup.placement
     warm = setup.batches(1)[0]
     times = {}
-    ctx.progress("pipeline: sequential loop")
+    ctx.progress("pipeline: warming the target (compiles its kernels)")
     models = build_models(job, placement)
     warm_targets(models, setup, warm)
+    ctx.progress("pipeline: sequential loop")
     times["sequential"] = step_time(
         setup, lambda b, n: sequential_steps(models, placement, job, b, n)
     )
@@ -220,7 +221,7 @@ def memory_by_depth(setup: Setup, ctx: Context) -> list[dict[str, Any]]:
     batches = setup.batches(steps * job.accumulate)
     warm = setup.batches(1)[0]
     out = []
-    for depth in DEPTHS:
+    for depth in ctx.pick(DEPTHS, DEPTHS[:2], DEPTHS[:2]):
         ctx.progress(f"pipeline: hidden states at depth {depth}")
         loop = PipelineLoop(build_models(job, placement), placement, job, depth=depth)
         try:

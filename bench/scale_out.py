@@ -179,7 +179,10 @@ def measure(ctx: Context, options: Options, setting: Setting) -> list[Row]:
     if setting.on_gpu:
         torch.cuda.empty_cache()
     failure = "off (--no-processes)"
-    if options.processes:
+    one_gpu_default = ctx.mode == "default" and setting.on_gpu and setting.available < 2
+    if one_gpu_default:  # half a minute of worker start-up for one figure
+        failure = "on one GPU, --full runs it"
+    elif options.processes:
         limit = options.process_timeout or (180.0 if ctx.quick else 300.0)
         processes, failure = process_times(ctx, options, setting, runnable, limit)
         for n, seconds in processes.items():

@@ -63,12 +63,6 @@ def end_generator_capture() -> None:
     graph.reset()
 
 
-def release_pool(device: int, pool: Any) -> None:
-    import torch
-
-    torch._C._cuda_releasePool(device, pool)
-
-
 @contextlib.contextmanager
 def device_quiet(lane: Lane, timeout: float) -> Iterator[bool]:
     """pydflash.quiesce.device_quiet, unless QUIET_ENV is "0" (then True at once)."""

@@ -37,18 +37,21 @@ and pydflash/graph_cache.py call it from a task on the capturing lane).
   a later call may try again. PYDFLASH_CAPTURE_QUIET=0 skips the pause (to show its use).
 
 Note [A failed capture]: when a capture was invalidated (a host sync in the forward, say),
-torch's `capture_end` raises at `cudaStreamEndCapture`, before it tells the caching
-allocator the capture ended, and `reset()` releases a pool only after a successful end: the
-next capture into the pool raised "beginAllocateToPool: already recording to mempool_id".
-So after any failure, `capture_graph` ends the stream's capture if it is still on, ends the
-allocator's recording (`_cuda_endAllocateToPool`) and, if that was still on, gives back the
-pool reference capture_begin took (`_cuda_releasePool`), then resets the graph. torch
-asserts a shared pool's use count is positive: after a failure, a caller with no graph
-left in the pool takes a fresh one. capture_begin also put the device's default CUDA
-generator in capture mode, and only a successful end takes it out: left so, every later
-random op outside a capture raises "Offset increment outside graph capture encountered
-unexpectedly" (seen on the H200, in the tests after a failed capture). A capture of one
-random draw takes it out (`_cuda_capture.end_generator_capture`).
+torch's `capture_end` raises at `cudaStreamEndCapture`. Up to torch 2.11 it raises before
+it tells the caching allocator the capture ended: the next capture into the pool raised
+"beginAllocateToPool: already recording to mempool_id". So after any failure,
+`capture_graph` ends the stream's capture if it is still on, ends the allocator's
+recording (`_cuda_endAllocateToPool`; it raises where torch ended it already) and resets
+the graph. It never gives back the pool reference capture_begin took: torch's `reset()`
+gives it back after a failed capture from the releases that fixed that leak on (2.11.x on
+the H200), and one more release there dropped the count of a pool that still held a
+graph to 0, so the next capture into it failed (seen on the H200). Where `reset()`
+keeps it, the pool keeps one reference too many and is freed only at exit, as plain
+torch does. capture_begin also put the device's default CUDA generator in capture mode,
+and only a successful end takes it out: left so, every later random op outside a capture
+raises "Offset increment outside graph capture encountered unexpectedly" (seen on the
+H200, in the tests after a failed capture). A capture of one random draw takes it out
+(`_cuda_capture.end_generator_capture`).
 """
 
 from __future__ import annotations
@@ -388,16 +391,12 @@ def _leave_no_trace(graph: Any | None, device: int, pool: Any) -> None:
         # Invalidated or not, the capture ends here; ending an invalidated capture raises.
         with contextlib.suppress(Exception):
             graph.capture_end()
-    try:
+    with contextlib.suppress(RuntimeError):  # raises where capture_end ended it already
         _cuda.end_allocate_to_pool(device, pool)
-    except RuntimeError:
-        pass  # never began, or capture_end ended the recording: reset() releases the pool
-    else:
-        _cuda.release_pool(device, pool)  # the reference capture_begin took
     if graph is not None:
-        with contextlib.suppress(Exception):
-            graph.reset()
         with contextlib.suppress(Exception):  # a cleanup that fails must not fail the step
+            graph.reset()
+        with contextlib.suppress(Exception):
             _cuda.end_generator_capture()
 
 

@@ -67,6 +67,7 @@ def test_graph_and_padding_errors_are_bounded(results, config):
 def test_diagnosis_compares_every_call_and_tries_each_remedy(results):
     from bench import fidelity
 
+    assert "diagnosis" in results["dense"], results["dense"].get("diagnosis_failed")
     diagnosis = results["dense"]["diagnosis"]
     for comparison in (diagnosis["capture"], diagnosis["padding"]):
         assert comparison["aligned"] and comparison["calls"] > 0

@@ -95,8 +95,11 @@ def train_steps(stage, data, accumulate=2):
     losses = []
     for s in range(len(data) // accumulate):
         for x in data[s * accumulate : (s + 1) * accumulate]:
-            losses.append(lane.submit(stage.train, 0, x, all_reduce=True).result())
+            # wait_stream: the loss is made on the lane's stream, and read on this one.
+            losses.append(lane.submit(stage.train, 0, x, all_reduce=True).wait_stream())
         lane.submit(stage.step, s, 0, None).result()
+    if lane.is_gpu:  # the parameters are read on this thread's stream next
+        torch.cuda.synchronize(lane.device)
     return [float(x) for x in losses]
 
 

@@ -1,6 +1,9 @@
 #include "core/lane.h"
 
 #include <unistd.h>
+#ifdef __linux__
+#include <pthread.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -315,6 +318,11 @@ void Lane::leave() {
 }
 
 void Lane::worker_main() {
+#ifdef __linux__
+  // Named for profilers, top -H and /proc/self/task/*/comm (15 characters at most).
+  pthread_setname_np(pthread_self(),
+                     ("pydflash-lane" + std::to_string(index_)).substr(0, 15).c_str());
+#endif
   if (is_gpu()) device::set_device(device_);
   interpreter_->thread_started(*this);
   quiet_member_.worker.store(std::this_thread::get_id());

@@ -277,8 +277,10 @@ class PipelineLoop:
         trace: bool = False,
         graphs: bool = False,
         drafter_graphs: bool = False,
+        spin_us: float | None = None,
     ) -> None:
-        self.dispatcher = Dispatcher(placement.lanes, trace=trace)
+        spin = {} if spin_us is None else {"spin_us": spin_us}  # None: the Dispatcher's default
+        self.dispatcher = Dispatcher(placement.lanes, trace=trace, **spin)
         lanes = self.dispatcher.lanes
         n_targets = len(placement.targets)
         self.target_lanes = lanes[:n_targets]
