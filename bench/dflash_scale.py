@@ -118,7 +118,7 @@ def make_scale(ctx: Context) -> Scale:
     minute on an H200); --quick: 2 and 2; --full: SpecForge's accumulation 8, 5 steps."""
     full = ctx.full and not ctx.quick
     target = HFTargetConfig.load(TARGET, dflash_layers(36, DFLASH_B16.layers))
-    accumulate, steps = (8, 5) if full else (2, 2) if ctx.quick else (4, 3)
+    accumulate, steps = (8, 5) if full else (2, 2) if ctx.quick else (4, 2)
     job = Job(target, DFLASH_B16, seq=SEQ, batch=BATCH, accumulate=accumulate, lr=1e-4)
     return Scale(job, Placement(("cuda:0",), ("cuda:0",)), steps, reps=2 if full else 1, warmup=1)
 

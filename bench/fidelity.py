@@ -417,7 +417,9 @@ def measure(target: Target, lanes: list | None = None, diagnose: bool = False) -
                 result["diagnosis"] = diagnosis(target, big, t)
             except Exception as exc:  # noqa: BLE001 - the end-to-end figures still stand
                 traceback.print_exc()
-                result["diagnosis_failed"] = f"{type(exc).__name__}: {_first_line(exc)}"
+                frames = traceback.extract_tb(exc.__traceback__)[-3:]
+                where = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in frames)
+                result["diagnosis_failed"] = f"{type(exc).__name__}: {_first_line(exc)} at {where}"
     finally:
         if own is not None:
             own.shutdown()

@@ -318,6 +318,8 @@ class LaneGraphCache:
                     self.eager[key] = (kind, detail)
             else:
                 self.eager[key] = (kind, detail)
+            if kind == "capture failed":
+                self.pool = None  # Note [A failed capture]: the next capture takes a fresh one
         self.owner._fell_back(self, kind, detail)
         return None
 

@@ -38,19 +38,23 @@ and pydflash/graph_cache.py call it from a task on the capturing lane).
 
 Note [A failed capture]: when a capture was invalidated (a host sync in the forward, say),
 torch's `capture_end` raises at `cudaStreamEndCapture`. Up to torch 2.11 it raises before
-it tells the caching allocator the capture ended: the next capture into the pool raised
+it tells the caching allocators the capture ended: the device allocator and the pinned
+host allocator both keep recording into the pool, and the next capture into it raised
 "beginAllocateToPool: already recording to mempool_id". So after any failure,
-`capture_graph` ends the stream's capture if it is still on, ends the allocator's
+`capture_graph` ends the stream's capture if it is still on, ends the device allocator's
 recording (`_cuda_endAllocateToPool`; it raises where torch ended it already) and resets
-the graph. It never gives back the pool reference capture_begin took: torch's `reset()`
-gives it back after a failed capture from the releases that fixed that leak on (2.11.x on
-the H200), and one more release there dropped the count of a pool that still held a
-graph to 0, so the next capture into it failed (seen on the H200). Where `reset()`
-keeps it, the pool keeps one reference too many and is freed only at exit, as plain
-torch does. capture_begin also put the device's default CUDA generator in capture mode,
-and only a successful end takes it out: left so, every later random op outside a capture
-raises "Offset increment outside graph capture encountered unexpectedly" (seen on the
-H200, in the tests after a failed capture). A capture of one random draw takes it out
+the graph. The host allocator's recording has no Python call to end it (on the H200 the
+next capture into the pool still raised), so a caller never captures into a pool a
+capture failed in again: the graph cache takes a fresh pool for its next capture, and
+the graphs already in the old pool keep replaying from it. The cleanup never gives back
+the pool reference capture_begin took: torch's `reset()` gives it back after a failed
+capture in the releases that fixed that leak (2.11.x on the H200), and one more release
+dropped the count of a pool that still held a graph to 0. Where `reset()` keeps it, the
+pool keeps one reference too many and is freed only at exit, as plain torch does.
+capture_begin also put the device's default CUDA generator in capture mode, and only a
+successful end takes it out: left so, every later random op outside a capture raises
+"Offset increment outside graph capture encountered unexpectedly" (seen on the H200, in
+the tests after a failed capture). A capture of one random draw takes it out
 (`_cuda_capture.end_generator_capture`).
 """
 

@@ -27,6 +27,7 @@ class FakeAllocator:
     def __init__(self):
         self.use_count: dict = {}
         self.recording: list = []
+        self.host_recording: list = []  # the pinned host allocator's: no Python call ends it
 
     def begin(self, pool):
         if pool in self.use_count:
@@ -34,9 +35,10 @@ class FakeAllocator:
             self.use_count[pool] += 1
         else:
             self.use_count[pool] = 1
-        if pool in self.recording:
+        if pool in self.recording or pool in self.host_recording:
             raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
         self.recording.append(pool)
+        self.host_recording.append(pool)
 
     def end(self, device, pool):
         if pool not in self.recording:
@@ -79,6 +81,7 @@ class FakeCudaGraph:
         failed = self.cuda.invalidated or self.cuda.fail_at == "capture_end"
         if not failed or self.cuda.torch == "ends":
             self.cuda.allocator.end(0, self.pool)
+            self.cuda.allocator.host_recording.remove(self.pool)
         if failed:
             self.cuda.invalidated = False
             raise RuntimeError(
@@ -209,11 +212,15 @@ def test_a_failed_capture_leaves_no_trace(cuda, point, torch_release):
     assert not cuda.capturing and cuda.allocator.recording == []
     assert not cuda.generator_capturing  # random ops outside a capture work again
     # The kept graph's reference, and where torch keeps it, the failed capture's.
-    leaked = torch_release == "keeps" and point not in ("stream_idle", "forward_python")
-    assert cuda.allocator.use_count[pool] == 1 + leaked
+    began = point not in ("stream_idle", "forward_python")
+    assert cuda.allocator.use_count[pool] == 1 + (torch_release == "keeps" and began)
     cuda.fail_at = None
-    again = graphs.capture_graph(forward(cuda), LANE, pool=pool, warmup=0)
-    assert again.outputs == "out" and cuda.allocator.use_count[pool] == 2 + leaked
+    kept_replays = kept.graph.replays
+    kept.graph.replay()  # the graph already in the pool still replays from it
+    assert kept.graph.replays == kept_replays + 1
+    fresh = (0, 8)  # the next capture takes a fresh pool (Note [A failed capture])
+    again = graphs.capture_graph(forward(cuda), LANE, pool=fresh, warmup=0)
+    assert again.outputs == "out" and cuda.allocator.use_count[fresh] == 1
     del kept
 
 
@@ -283,9 +290,11 @@ def test_a_failed_capture_runs_eagerly_and_later_keys_still_capture(cuda):
     cache = GraphCache("stage", warmup=0)
     lane = cache.lane(LANE)
     assert lane.get_or_capture("a", lambda: (forward(cuda), "data")).data == "data"
+    pool = lane.pool
     with pytest.warns(GraphFallbackWarning, match=r"\(capture failed\).*not permitted"):
         assert lane.get_or_capture("b", lambda: (forward(cuda, fail=True), None)) is None
-    assert lane.get_or_capture("c", lambda: (forward(cuda), None)) is not None  # same pool
+    assert lane.get_or_capture("c", lambda: (forward(cuda), None)) is not None
+    assert lane.pool not in (None, pool)  # Note [A failed capture]: a fresh pool after a failure
     assert (
         lane.get_or_capture("b", lambda: pytest.fail("the failed key is not captured again"))
         is None
