@@ -143,16 +143,21 @@ def cost(regime: Regime, step: Callable[[], None], *, sync_each: bool = True) ->
         step()
     regime.synchronize()
     call = window(n)
-    cpu0, t0 = thread_cpu_by_name(), time.perf_counter()
+    cpu0, process0, t0 = thread_cpu_by_name(), time.process_time(), time.perf_counter()
     for _ in range(n):
         call()
     wall, by_thread = time.perf_counter() - t0, cpu_ms_by_name(cpu0, thread_cpu_by_name(), n)
+    host_ms = (
+        sum(by_thread.values())
+        if by_thread is not None
+        else (time.process_time() - process0) * 1e3 / n  # not Linux: no per-thread times
+    )
     busy = None
     if regime.on_gpu:
         busy = measure(window(n), reps=n, warmup=0, sync=False).gpu_busy_ms
     return {
         "wall_ms": wall * 1e3 / n,
-        "host_ms": sum((by_thread or {}).values()),
+        "host_ms": host_ms,
         "host_ms_by_thread": by_thread,
         "gpu_busy_ms": busy,
     }
