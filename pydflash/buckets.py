@@ -181,6 +181,19 @@ def pad_values(pad_value: Any, inputs: Any, leaves: list[Any]) -> list[float]:
     return pads
 
 
+def above_largest(
+    what: str, batch: int, length: int, lengths: Sequence[int], batch_sizes: Sequence[int] | None
+) -> str:
+    """Why choose_bucket found none: the "too long" fallback's detail for a `what`."""
+    limit = f"{lengths[-1]}" + ("" if batch_sizes is None else f" x batch {batch_sizes[-1]}")
+    return f"{what} of {batch} x {length} is above the largest bucket ({limit})"
+
+
+def as_pair(label: Any) -> Any:
+    """A graph cache label as stats() report it: (batch, length) for a Bucket."""
+    return (label.batch, label.length) if isinstance(label, Bucket) else label
+
+
 class PaddingTally:
     """The tokens a stage processed, real and padded, counted from any lane's thread."""
 

@@ -53,6 +53,8 @@ from ._torch_state import match_intra_op_threads
 from .buckets import (
     Bucket,
     PaddingTally,
+    above_largest,
+    as_pair,
     batch_shape,
     bucket_options,
     choose_bucket,
@@ -241,14 +243,11 @@ class TargetGraphs(TargetStage):
         for label, s in cached["lanes"].items():
             ring = rings.get(label)
             lanes[label] = {
-                "buckets": [(b.batch, b.length) for b in s.pop("graphs")],
+                "buckets": [as_pair(b) for b in s.pop("graphs")],
                 **s,
                 "ring_misses": 0 if ring is None else ring.misses,
             }
-        eager_buckets = [
-            {**e, "bucket": (e["bucket"].batch, e["bucket"].length)}
-            for e in cached["eager_buckets"]
-        ]
+        eager_buckets = [{**e, "bucket": as_pair(e["bucket"])} for e in cached["eager_buckets"]]
         return {
             "lanes": lanes,
             "fallbacks": cached["fallbacks"],
@@ -267,12 +266,8 @@ class TargetGraphs(TargetStage):
             cache = self._cache.lane(lane)
             bucket = choose_bucket(b, t, self.lengths, self.batch_sizes)
             if bucket is None:
-                limit = f"{self.lengths[-1]}" + (
-                    "" if self.batch_sizes is None else f" x batch {self.batch_sizes[-1]}"
-                )
-                cache.fall_back(
-                    "too long", f"a batch of {b} x {t} is above the largest bucket ({limit})"
-                )
+                detail = above_largest("a batch", b, t, self.lengths, self.batch_sizes)
+                cache.fall_back("too long", detail)
                 return self._eager(batch, b * t)
             pads = pad_values(self.pad_value, batch, leaves)
             if not lane.is_gpu and self.policy != "eager":

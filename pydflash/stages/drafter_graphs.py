@@ -73,6 +73,8 @@ from .._failures import stage_error
 from ..buckets import (
     Bucket,
     PaddingTally,
+    above_largest,
+    as_pair,
     batch_shape,
     bucket_options,
     choose_bucket,
@@ -216,10 +218,7 @@ class DrafterGraphs(EagerDrafter):
         cache = self._cache.lane(rep.lane)
         bucket = choose_bucket(b, t, self.lengths, self.batch_sizes)
         if bucket is None:
-            limit = f"{self.lengths[-1]}" + (
-                "" if self.batch_sizes is None else f" x batch {self.batch_sizes[-1]}"
-            )
-            detail = f"a microbatch of {b} x {t} is above the largest bucket ({limit})"
+            detail = above_largest("a microbatch", b, t, self.lengths, self.batch_sizes)
             cache.fall_back("too long", detail)
             return self._eager(rep, inputs, b, t)
         pads = pad_values(self.pad_value, inputs, leaves)
@@ -319,18 +318,13 @@ class DrafterGraphs(EagerDrafter):
             held = s.pop("graphs")
             rep = by_label[label]
             lanes[label] = {
-                "buckets": [(g.batch, g.length) for g in held if isinstance(g, Bucket)],
+                "buckets": [as_pair(g) for g in held if isinstance(g, Bucket)],
                 **s,
                 "step": "graph" if STEP in held else ("eager" if rep.step_eager_runs else None),
                 "step_replays": rep.step_replays,
                 "step_eager_runs": rep.step_eager_runs,
             }
-        eager_buckets = [
-            {**e, "bucket": (e["bucket"].batch, e["bucket"].length)}
-            if isinstance(e["bucket"], Bucket)
-            else e
-            for e in cached["eager_buckets"]
-        ]
+        eager_buckets = [{**e, "bucket": as_pair(e["bucket"])} for e in cached["eager_buckets"]]
         return {
             "lanes": lanes,
             "fallbacks": cached["fallbacks"],
