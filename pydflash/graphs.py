@@ -215,7 +215,8 @@ def capture(
     with static input buffers (copies of `example_inputs` on the lane's device) and
     the outputs `fn` returned as static outputs. `fn` runs `warmup` times first (lazy
     initialisation, autotuning). `pool` shares a memory pool with other graphs
-    (torch.cuda.graph_pool_handle()). Call it from the training thread, not from a
+    (torch.cuda.graph_pool_handle()); after a GraphCaptureError, capture into another
+    pool (Note [A failed capture]). Call it from the training thread, not from a
     task on the same lane. The capture pauses the other lanes of the device and leaves
     no trace when it fails (`capture_graph`, Note [Capturing beside other lanes]). Only
     what runs on the GPU is replayed: Python control flow is fixed at capture, and fn
