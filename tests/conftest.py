@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import sys
 
@@ -6,6 +7,14 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")  # what tests run in a child interpreter
+
+
+# A shell that starts pytest in the background (`cmd &` without job control) starts it
+# with SIGINT ignored: Python then installs no KeyboardInterrupt handler, interrupt_main()
+# does nothing, and child processes inherit the ignore. The Ctrl-C tests need Ctrl-C live,
+# as it is in a terminal; a handler set here is reset to the default in each child.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def cuda_available() -> bool:
