@@ -27,24 +27,15 @@ otherwise.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from ._native import C
+from ._tree import map_tensors, tensors
 
-
-def tensors(tree: Any) -> list[torch.Tensor]:
-    """The tensors in `tree`, in pytree's leaf order."""
-    return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
-
-
-def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
-    """`tree` with fn(t) in place of each tensor t; containers are rebuilt with their own
-    types, other leaves kept."""
-    return pytree.tree_map_only(torch.Tensor, fn, tree)
+__all__ = ["hand_over", "hand_to_lane", "map_tensors", "peer_access", "tensors", "to_lane"]
 
 
 def hand_over(result: Any, event: int, stream: Any = None) -> None:
@@ -70,7 +61,7 @@ def hand_to_lane(value: Any, src: Any, event: int, dst: Any) -> tuple[Any, int]:
     if not src.is_gpu and not dst.is_gpu:
         return value, 0
     if src.is_gpu and dst.is_gpu and src.device_index == dst.device_index:
-        hand_over(value, event, torch.cuda.current_stream())
+        hand_over(value, event, dst.stream)
         return value, 0
     device = torch.device(dst.device)
     with contextlib.ExitStack() as streams:
@@ -91,7 +82,7 @@ def hand_to_lane(value: Any, src: Any, event: int, dst: Any) -> tuple[Any, int]:
             copied = torch.cuda.Event()
             copied.record(dst_stream)
     if dst.is_gpu:
-        compute = torch.cuda.current_stream()
+        compute = dst.stream
         compute.wait_event(copied)
         for tensor in tensors(moved):
             if tensor.is_cuda:

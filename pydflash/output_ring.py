@@ -36,8 +36,9 @@ class OutputRing:
         with self._lock:
             return self._misses
 
-    def take(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Tensors shaped like `like`, in a free slot or freshly allocated."""
+    def take(self, like: list[torch.Tensor], stream: Any) -> list[torch.Tensor]:
+        """Tensors shaped like `like`, in a free slot or freshly allocated; `stream`, the
+        lane's, is where the copy into them will run."""
         with self._lock:
             slot = self._claim()
             if slot is None:
@@ -52,7 +53,7 @@ class OutputRing:
                 self._by_ptr[buffers[0].data_ptr()] = slot
             after, self._after[slot] = self._after[slot], None
         if after is not None:
-            torch.cuda.current_stream().wait_event(after)
+            stream.wait_event(after)
         return [buf[: x.numel()].view(x.shape) for buf, x in zip(buffers, like, strict=True)]
 
     def _claim(self) -> int | None:

@@ -319,7 +319,7 @@ class Pipeline:
             if lane.is_gpu:
                 # Blocking: the driver's wait for it (_enter_window) sleeps, not spins.
                 gpu_done = torch.cuda.Event(blocking=True)
-                gpu_done.record()
+                gpu_done.record(lane.stream)
                 with self._cond:
                     flight.event = gpu_done
                 if recycled is not None:

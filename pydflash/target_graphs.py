@@ -50,6 +50,7 @@ from . import graph_cache
 from ._checks import counted
 from ._future import Future
 from ._torch_state import match_intra_op_threads
+from ._tree import flatten, unflatten
 from .buckets import (
     Bucket,
     PaddingTally,
@@ -261,7 +262,7 @@ class TargetGraphs(TargetStage):
         match_intra_op_threads(threads)
         with torch.no_grad():
             batch = to_lane(batch, lane)
-            leaves, spec = pytree.tree_flatten(batch)
+            leaves, spec = flatten(batch)
             b, t = batch_shape(leaves)
             cache = self._cache.lane(lane)
             bucket = choose_bucket(b, t, self.lengths, self.batch_sizes)
@@ -280,7 +281,7 @@ class TargetGraphs(TargetStage):
                 return self._eager(batch, b * t)
             static: _Static = entry.data
             if static.out_cuts is None:  # captured just now: the inputs are this batch's
-                out_leaves, static.out_spec = pytree.tree_flatten(entry.outputs)
+                out_leaves, static.out_spec = flatten(entry.outputs)
                 static.out_leaves = out_leaves
                 static.out_cuts = [cut_kind(x, bucket) for x in out_leaves]
             else:
@@ -327,7 +328,8 @@ class TargetGraphs(TargetStage):
     def _copy_out(self, lane: Lane, static: _Static, b: int, t: int) -> Any:
         outputs = zip(static.out_leaves, static.out_cuts, strict=True)
         cuts = [cut(x, kind, b, t) for x, kind in outputs]
-        copies = iter(self._ring(lane).take([x for x in cuts if isinstance(x, torch.Tensor)]))
+        ring = self._ring(lane)
+        copies = iter(ring.take([x for x in cuts if isinstance(x, torch.Tensor)], lane.stream))
         out = []
         for x in cuts:
             if isinstance(x, torch.Tensor):
@@ -336,7 +338,7 @@ class TargetGraphs(TargetStage):
                 out.append(copy)
             else:
                 out.append(x)
-        return pytree.tree_unflatten(out, static.out_spec)
+        return unflatten(out, static.out_spec)
 
     def _ring(self, lane: Lane) -> OutputRing:
         ring = self._rings.get(lane)

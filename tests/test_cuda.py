@@ -1,5 +1,7 @@
 """GPU lanes: streams, events, cross-stream handoff and the caching allocator."""
 
+import os
+import threading
 import time
 
 import pytest
@@ -146,3 +148,32 @@ def test_errors_from_cuda_name_the_lane(two_lanes):
         f.result()
     assert "raised in pydflash lane 1 (cuda:0)" in info.value.__notes__
     assert two_lanes[1].submit(lambda: torch.ones(1, device="cuda").item()).result() == 1.0
+
+
+def _thread_cpu_s(tid: int) -> float:
+    """CPU seconds thread `tid` of this process has run, from /proc (Linux)."""
+    with open(f"/proc/self/task/{tid}/schedstat") as f:
+        return int(f.read().split()[0]) / 1e9
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs /proc")
+def test_a_lane_whose_gpu_is_still_busy_sleeps_instead_of_polling():
+    # Note [Adaptive polling]: tasks come every 0.2 ms, inside the poll window (1 ms),
+    # so a polling worker would stay on a core the whole time. Each queues 1 ms of GPU
+    # work, so the stream always has a backlog, and the worker sleeps at once instead;
+    # a task that waits for another lane's future sleeps at once there too.
+    with pydflash.Dispatcher([0, 0], guard=(), spin_us=1000) as d:
+        lane, other = d.lanes
+        for x in d.lanes:
+            x.submit(load_kernels).result()
+        worker = lane.submit(threading.get_native_id).result()
+        pydflash._C.busy_wait(lane.stream_ptr, 1_000_000)  # the backlog from the start
+        before, t0 = _thread_cpu_s(worker), time.perf_counter()
+        for _ in range(200):
+            lane.submit(pydflash._C.busy_wait, lane.stream_ptr, 1_000_000)
+            time.sleep(0.0002)
+        waited = lane.submit(lambda: other.submit(time.sleep, 0.05).result())
+        waited.result()
+        cpu, wall = _thread_cpu_s(worker) - before, time.perf_counter() - t0
+        torch.cuda.synchronize()
+    assert cpu < 0.3 * wall, f"the worker ran {cpu * 1e3:.1f} ms of {wall * 1e3:.1f} ms"

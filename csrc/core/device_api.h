@@ -36,6 +36,10 @@ Event create_event(int device, bool timing);
 void destroy_event(Event event);
 void record_event(Event event, Stream stream);
 bool query_event(Event event);
+/// Whether `stream` still has queued work: true while it is capturing a graph too (its
+/// work is then unknown, and a query would end the capture). Never throws: a failed
+/// query reads as false.
+bool stream_busy(Stream stream);
 void synchronize_event(Event event);
 void synchronize_stream(Stream stream);
 void stream_wait_event(Stream stream, Event event);

@@ -44,6 +44,13 @@ std::atomic<bool>& in_interpreter_flag() {
 // came back within kBurstGapNs it doubles, up to kMaxSpinNs, and a longer gap puts it
 // back. Workers fed in frequent bursts stay awake between them; workers fed once per
 // training step do not keep a core busy waiting. A window of zero stays zero.
+//
+// Polling only shortens the time from a submit to the task's launch on the GPU, which
+// matters only when the GPU would otherwise wait. A GPU lane whose stream still holds
+// queued work when it goes idle sleeps at once (one cudaStreamQuery): the GPU has work
+// to run meanwhile, and a host that polls there only burns a core, which a pipeline of
+// graph replays is short of. A task waiting on a pydflash future in that state sleeps at
+// once too (`Lane::calling_worker_stream_busy`).
 constexpr int64_t kBurstGapNs = 2'000'000;
 constexpr int64_t kMaxSpinNs = 1'000'000;
 
@@ -63,6 +70,21 @@ class QuietCheck final : public TaskBody {
 };
 
 }  // namespace
+
+namespace {
+thread_local Lane* worker_lane = nullptr;  // the lane whose worker this thread is
+}  // namespace
+
+bool Lane::stream_busy() const {
+  // While a capture is asked for or open on the device, no CUDA call: one from the
+  // capturing thread (a wait inside the captured function) would end its capture.
+  if (!is_gpu()) return false;
+  return quiet_.requested() || device::stream_busy(stream_);
+}
+
+bool Lane::calling_worker_stream_busy() {
+  return worker_lane != nullptr && worker_lane->stream_busy();
+}
 
 int64_t spin_ns_from_us(double spin_us) {
   PYDFLASH_CHECK_VALUE(spin_us >= 0 && spin_us <= kMaxSpinUs, "expected spin_us in [0, ",
@@ -326,11 +348,13 @@ void Lane::worker_main() {
   if (is_gpu()) device::set_device(device_);
   interpreter_->thread_started(*this);
   quiet_member_.worker.store(std::this_thread::get_id());
+  worker_lane = this;
   QuietDevice::bind_thread(&quiet_, &quiet_member_);  // its future waits pause for quiets
   // Leaves the device however the loop ends, also when this thread is ended at exit.
   struct LeaveQuiet {
     Lane& lane;
     ~LeaveQuiet() {
+      worker_lane = nullptr;
       QuietDevice::bind_thread(nullptr, nullptr);
       lane.quiet_.leave(lane.quiet_member_);
     }
@@ -343,9 +367,15 @@ void Lane::worker_main() {
       leave();
       const int64_t idle_since = now_ns();
       bool slept = false;
-      if (!queue_.pop_wait(task, spin_ns, [&] { return on_device_.load() == 0; }, &slept)) break;
-      spin_ns = next_spin_ns(spin_ns, options_.spin_ns, slept, now_ns() - idle_since);
-      spin_ns_.store(spin_ns, std::memory_order_relaxed);
+      // Note [Adaptive polling]: a lane whose GPU is still busy with its work sleeps at once.
+      const bool backlog = stream_busy();
+      if (!queue_.pop_wait(
+              task, backlog ? 0 : spin_ns, [&] { return on_device_.load() == 0; }, &slept))
+        break;
+      if (!backlog) {
+        spin_ns = next_spin_ns(spin_ns, options_.spin_ns, slept, now_ns() - idle_since);
+        spin_ns_.store(spin_ns, std::memory_order_relaxed);
+      }
     }
     // Note [Quiet device for capture]: the one check on the hot path.
     if (quiet_.requested()) pause_for_quiet();

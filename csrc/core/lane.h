@@ -143,6 +143,12 @@ class Lane : public std::enable_shared_from_this<Lane> {
   bool exited();
   bool forked() const;
 
+  /// Whether the lane's stream still has queued work (false on CPU lanes): see Note
+  /// [Adaptive polling]. Makes no CUDA call while a quiet is asked for on the device.
+  bool stream_busy() const;
+  /// stream_busy() of the lane whose worker calls it; false on any other thread.
+  static bool calling_worker_stream_busy();
+
   /// Tasks submitted so far (a hint: relaxed).
   uint64_t submitted() const { return submitted_.load(std::memory_order_relaxed); }
   /// Queued plus running plus on the device: what least-busy placement compares.

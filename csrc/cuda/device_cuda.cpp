@@ -131,6 +131,20 @@ bool query_event(Event event) {
   return true;
 }
 
+bool stream_busy(Stream stream) {
+  auto* s = static_cast<cudaStream_t>(stream);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(s, &capture) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (capture != cudaStreamCaptureStatusNone) return true;
+  const cudaError_t err = cudaStreamQuery(s);
+  if (err == cudaErrorNotReady) return true;
+  if (err != cudaSuccess) (void)cudaGetLastError();  // not sticky: the next call reports it
+  return false;
+}
+
 void synchronize_event(Event event) {
   PYDFLASH_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
 }

@@ -22,6 +22,7 @@ Event create_event(int, bool) { no_cuda(); }
 void destroy_event(Event) {}
 void record_event(Event, Stream) { no_cuda(); }
 bool query_event(Event) { no_cuda(); }
+bool stream_busy(Stream) { return false; }
 void synchronize_event(Event) { no_cuda(); }
 void synchronize_stream(Stream) { no_cuda(); }
 void stream_wait_event(Stream, Event) { no_cuda(); }

@@ -294,10 +294,12 @@ bool wait_interruptibly(FutureState& state, double timeout_s) {
       return interrupted;
     };
   }
+  // Note [Adaptive polling]; asked here, while this lane is not yet paused for a quiet.
+  const int64_t spin_ns = Lane::calling_worker_stream_busy() ? 0 : kWaitSpinNs;
   // Note [Never retaking the GIL at exit].
   const bool finished = without_gil([&] {
     WaitingWithoutGil waiting;  // Note [Entering when the GIL is free]
-    return state.wait(timeout_s, kWaitSpinNs, kWaitSliceNs, check_signals);
+    return state.wait(timeout_s, spin_ns, kWaitSliceNs, check_signals);
   });
   if (interrupted) throw py::error_already_set();
   return finished;

@@ -70,6 +70,7 @@ from torch.utils import _pytree as pytree
 
 from .. import graph_cache
 from .._failures import stage_error
+from .._tree import flatten
 from ..buckets import (
     Bucket,
     PaddingTally,
@@ -213,7 +214,7 @@ class DrafterGraphs(EagerDrafter):
     def train(self, replica: int, inputs: Any, *, all_reduce: bool) -> torch.Tensor:
         # all_reduce is not needed: a DDP drafter's gradients are all-reduced in step().
         rep = self._replicas[replica]
-        leaves, spec = pytree.tree_flatten(inputs)
+        leaves, spec = flatten(inputs)
         b, t = batch_shape(leaves)
         cache = self._cache.lane(rep.lane)
         bucket = choose_bucket(b, t, self.lengths, self.batch_sizes)

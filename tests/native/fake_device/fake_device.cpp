@@ -12,11 +12,13 @@ struct FakeEvent {
 };
 
 std::atomic<int> live{0};
+std::atomic<bool> streams_busy{false};
 char streams[64];  // distinct non-null handles
 
 }  // namespace
 
 int live_events() { return live.load(); }
+void set_streams_busy(bool busy) { streams_busy.store(busy); }
 
 }  // namespace pydflash::fake_device
 
@@ -45,6 +47,7 @@ void destroy_event(Event event) {
 }
 void record_event(Event event, Stream) { static_cast<FakeEvent*>(event)->recorded = true; }
 bool query_event(Event) { return true; }
+bool stream_busy(Stream) { return fake_device::streams_busy.load(); }
 void synchronize_event(Event) {}
 void synchronize_stream(Stream) {}
 void stream_wait_event(Stream, Event) {}

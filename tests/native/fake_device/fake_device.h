@@ -7,5 +7,7 @@ namespace pydflash::fake_device {
 
 /// Events created and not yet destroyed.
 int live_events();
+/// What device::stream_busy answers for every stream (false at first).
+void set_streams_busy(bool busy);
 
 }  // namespace pydflash::fake_device
