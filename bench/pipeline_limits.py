@@ -115,6 +115,10 @@ def make_regime(ctx: Context, name: str, batch: int, target: Any) -> Regime:
         job = Job(target, DrafterConfig(), seq=SEQ, batch=batch, accumulate=ACCUMULATE, lr=3e-4)
         placement = Placement(("cuda:0",), ("cuda:0",))
         reps = 8 if full else (2 if ctx.quick else 4)
+        if batch == 1:
+            # A launch-bound step takes ~20 ms: three times the steps, after more warm-up,
+            # cost a second and measure the steady state a training run spends its time in.
+            return Regime(name, job, placement, 3 * reps, warmup=6, on_gpu=True)
         return Regime(name, job, placement, reps, warmup=2, on_gpu=True)
     job = Job(target, TINY_DRAFTER, seq=32, batch=min(batch, 2), accumulate=2, lr=3e-3)
     return Regime(name, job, Placement(("cpu",), ("cpu",)), 2, warmup=1, on_gpu=False)
