@@ -69,10 +69,8 @@ class QuietCheck final : public TaskBody {
   std::string label() const override { return "quiet check"; }
 };
 
-}  // namespace
-
-namespace {
 thread_local Lane* worker_lane = nullptr;  // the lane whose worker this thread is
+
 }  // namespace
 
 bool Lane::stream_busy() const {
