@@ -923,3 +923,16 @@ def test_reading_the_autotuners_touches_no_deprecated_attribute():
     from bench import fidelity
 
     assert isinstance(fidelity.autotuner_choices(), dict)
+
+
+def test_launch_bound_graph_rows_time_a_longer_steady_state_window():
+    from bench import pipeline_limits
+
+    def regime(graph_window: bool) -> pipeline_limits.Regime:
+        return pipeline_limits.Regime(
+            "launch-bound", None, None, reps=4, warmup=2, on_gpu=True, graph_window=graph_window
+        )
+
+    assert regime(True).window(graphs=True) == (6, 12)
+    assert regime(True).window(graphs=False) == (2, 4)  # eager rows keep the short window
+    assert regime(False).window(graphs=True) == (2, 4)
