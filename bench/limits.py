@@ -16,6 +16,7 @@ upper bound on what the stage's Python cost. Without a GPU, gpu_busy_ms is None.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,6 +79,18 @@ def thread_cpu_by_name() -> dict[str, float] | None:
         name = "main" if tid == main else head.split("(", 1)[1]
         out[name] = out.get(name, 0.0) + seconds
     return out
+
+
+def calling_thread_name() -> str:
+    """The calling thread's name as thread_cpu_by_name() keys it."""
+    tid = threading.get_native_id()
+    if tid == os.getpid():
+        return "main"
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def cpu_ms_by_name(before: dict[str, float] | None, after: dict[str, float] | None, calls: int):

@@ -936,3 +936,23 @@ def test_launch_bound_graph_rows_time_a_longer_steady_state_window():
     assert regime(True).window(graphs=True) == (6, 12)
     assert regime(True).window(graphs=False) == (2, 4)  # eager rows keep the short window
     assert regime(False).window(graphs=True) == (2, 4)
+
+
+def test_pipeline_host_time_leaves_out_the_bench_own_synchronize():
+    # torch.cuda.synchronize() spins on the caller's thread: the bench's wait, not the
+    # stage's work, so it must not count as the stage's host time.
+    from bench import pipeline_limits
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    class Spinning(pipeline_limits.Regime):
+        def synchronize(self) -> None:
+            spin(0.02)
+
+    regime = Spinning("launch-bound", None, None, reps=3, warmup=1, on_gpu=False)
+    c = pipeline_limits.cost(regime, lambda: spin(0.005), graphs=False)
+    assert 18 <= c["sync_ms_left_out"] <= 40
+    assert 4 <= c["host_ms"] < 15, c
