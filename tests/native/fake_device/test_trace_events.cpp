@@ -5,22 +5,13 @@
 #include "core/lane.h"
 #include "fake_device.h"
 #include "harness.h"
+#include "lane_parts.h"
 
 using namespace pydflash;
+using fake_device::NoInterpreter;
+using fake_device::Nothing;
 
 namespace {
-
-class NoInterpreter final : public Interpreter {
- public:
-  void enter() override {}
-  void leave() override {}
-};
-
-class Nothing final : public TaskBody {
- public:
-  bool needs_interpreter() const override { return false; }
-  bool run(Lane&, FutureState*) override { return true; }
-};
 
 // A started GPU lane (device 0 of the fake) that traced `tasks` tasks, all run.
 std::shared_ptr<Lane> traced_lane(int tasks) {
