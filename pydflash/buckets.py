@@ -177,8 +177,7 @@ def pad_values(pad_value: Any, inputs: Any, leaves: list[Any]) -> list[float]:
         raise TypeError(f"expected dict inputs for a dict pad_value, got {type(inputs).__name__}")
     pads = []
     for key, value in inputs.items():
-        count = 1 if isinstance(value, torch.Tensor) else len(pytree.tree_leaves(value))
-        pads += [pad_value.get(key, 0)] * count
+        pads += [pad_value.get(key, 0)] * len(pytree.tree_leaves(value))
     return pads
 
 
