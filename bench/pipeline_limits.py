@@ -8,8 +8,10 @@ GPU-bound (8 x 1024). In each, with --full, four variants: eager or graph drafte
 the default run takes both eager and both graphs.
 
 - Each stage alone, as the pipeline runs it on its lane: wall time, GPU-busy time and
-  host thread time per step (bench/limits.py). The drafter's row compares its wall time
-  with its GPU-busy time: a ratio far above 1 is a host-bound stage.
+  host thread time per step (bench/limits.py). The drafter's steps run back to back, as
+  in the pipeline (the window's last synchronizes); the target's synchronize each step.
+  The drafter's row compares its wall time with its GPU-busy time: a ratio far above 1
+  is a host-bound stage.
 - Each pipeline variant's step against its limit: on one GPU the sum of its two stages'
   GPU-busy times (the GPU cannot do both at once), on separate GPUs the larger one.
 - The host thread time of the whole pipeline per step, against the step.
@@ -245,7 +247,9 @@ def drafter_stage_cost(
                 lane.submit(stage.train, 0, x, all_reduce=i == last)
             lane.submit(stage.step, s, 0, None).result()
 
-        result = cost(regime, step, graphs=kind == "graphs")
+        # Steps back to back, as the pipeline runs them: a synchronize after each would
+        # leave the GPU idle while the next step's first microbatch is launched.
+        result = cost(regime, step, graphs=kind == "graphs", sync_each=False)
         if kind == "graphs":
             result["stats"] = stage.stats()
         return result
@@ -273,6 +277,7 @@ def pipeline_cost(
         steps = loop.steps(regime.batches(total * regime.job.accumulate), total)
         result = cost(regime, lambda: next(steps), graphs=graphs, sync_each=False)
         result["drafter_graphs"] = loop.drafter_graph_stats()
+        result["native_microbatches"] = loop.pipe.stats()["native_microbatches"]
         return result
     finally:
         if steps is not None:

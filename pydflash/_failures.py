@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import PipelineError
+from .errors import InputFailedError, PipelineError
 
 if TYPE_CHECKING:
     from ._future import Future
@@ -59,11 +59,12 @@ def failure_of(
     future: Future, stage: str, k: int | None, lane: Lane, *, step: int | None = None
 ) -> PipelineError | None:
     """The PipelineError a finished `future` of `stage` reports: None when it succeeded,
-    was cancelled, or failed only because its input did (Upstream)."""
+    was cancelled, or failed only because its input did (Upstream, or InputFailedError
+    for a stream program)."""
     if future.cancelled():
         return None
     failure = future.exception()
-    if failure is None or isinstance(failure, Upstream):
+    if failure is None or isinstance(failure, (Upstream, InputFailedError)):
         return None
     return stage_error(stage, k, lane, failure, step=step)
 

@@ -35,6 +35,11 @@ class GraphMemoryError(PydflashError, RuntimeError):
     """A graph capture would take a lane's graph pool past its byte cap."""
 
 
+class InputFailedError(PydflashError, RuntimeError):
+    """A stream program's input task (`Lane.submit_program(after=...)`) failed or was
+    cancelled, so the program issued nothing."""
+
+
 class GraphFallbackWarning(UserWarning):
     """A target forward that could not be served by a CUDA graph ran eagerly instead."""
 

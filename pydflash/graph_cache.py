@@ -70,6 +70,7 @@ class GraphEntry:
     label: Any
     eager_ms: float | None = None
     graph_ms: list[float] = field(default_factory=list)
+    exec_handle: int | None = None  # its cudaGraphExec_t, once a native launch looked it up
     _events: list[tuple[Any, Any]] = field(default_factory=list)
 
 
@@ -231,6 +232,25 @@ class LaneGraphCache:
             entry._events.append((start, end))
         else:
             entry.graph.replay()
+        with self.owner._lock:
+            self.replays += 1
+
+    def ready(self, key: Hashable) -> GraphEntry | None:
+        """The graph cached for `key` when replaying it needs no decision first: captured,
+        and under policy "auto" its timed replays read and kept. Marks it most recently
+        used. For a launch made elsewhere (a stream program, Note [Native microbatch] in
+        pydflash/native_microbatch.py), which counts itself with `replayed`. Any thread."""
+        with self.owner._lock:
+            entry = self.graphs.get(key)
+            if entry is None or entry._events:
+                return None
+            if entry.eager_ms is not None and len(entry.graph_ms) < TIMED_REPLAYS:
+                return None
+            self.graphs.move_to_end(key)
+            return entry
+
+    def replayed(self) -> None:
+        """Counts a replay launched elsewhere (see `ready`). Any thread."""
         with self.owner._lock:
             self.replays += 1
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._future import Future
@@ -127,6 +127,18 @@ class Lane(concurrent.futures.Executor):
         pydflash.graphs.CapturedGraph."""
         handle, keepalive = graph_exec_handle(graph, self)
         return self._native.submit_graph(handle, keepalive, self)
+
+    def submit_program(
+        self, ops: Sequence[tuple[int, ...]], keepalive: Any = None, after: Future | None = None
+    ) -> Future:
+        """Issues a stream program (copies, fills, graph launches, as
+        pydflash/native_microbatch.py builds them) on this GPU lane's stream from the native
+        worker, without the GIL. With `after`, it first waits for that future and fails
+        with InputFailedError, issuing nothing, when that one was cancelled or failed. The
+        future completes once the ops are issued and carries an event after them, as a
+        Python task's does; `keepalive` lives until the GPU has passed them. Note [Program
+        tasks] in csrc/python/tasks.cpp."""
+        return self._native.submit_program(ops, keepalive, after, self)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stops accepting work. wait: return once the worker has finished what it had.

@@ -46,6 +46,7 @@ from ._torch_state import match_intra_op_threads
 from .errors import PipelineError
 from .handoff import hand_to_lane, peer_access, tensors
 from .lane import Lane
+from .native_microbatch import NativeMicrobatches
 from .stages import DrafterStage, EagerDrafter, EagerTarget, TargetStage
 from .step_result import StepResult
 
@@ -123,6 +124,12 @@ class Pipeline:
                 f"got {accumulate}"
             )
         self.clip_grad_norm = self._drafter.clip_grad_norm
+        self._native = NativeMicrobatches.of(
+            self._targets, self._target_lanes, self._drafter, self._drafter_lanes, self.depth
+        )
+        # Each replica's latest drafter future: a native target waits for it (Note
+        # [Native microbatch] in pydflash/native_microbatch.py).
+        self._last_drafter: list[Future | None] = [None] * n_drafters
 
         self._cond = threading.Condition()
         self._threads = torch.get_num_threads()  # the driver's, set again at each run
@@ -168,9 +175,12 @@ class Pipeline:
             self._active = True
             self._hidden.new_run()
             self._window.clear()
+            self._last_drafter = [None] * len(self._drafter_lanes)
         self._threads = torch.get_num_threads()
         finished = False
         pending: deque[tuple[StepResult, StepTasks]] = deque()
+        if self._native is not None:
+            self._native.start_run(self._target_lanes)
         try:
             for r, lane in enumerate(self._drafter_lanes):
                 future = lane.submit(self._zero_grad_task, r)
@@ -226,6 +236,10 @@ class Pipeline:
         flight = self._enter_window(k)
         t_index = k % len(self._target_lanes)
         t_lane, d_lane = self._target_lanes[t_index], self._drafter_lanes[replica]
+        if self._native is not None:
+            drafter = self._submit_native(flight, t_index, t_lane, replica, batch)
+            if drafter is not None:
+                return drafter
         try:
             target = self._targets[t_index].submit(t_lane, batch)
         except BaseException as exc:  # noqa: BLE001 - raised below, as the pipeline's failure
@@ -249,7 +263,35 @@ class Pipeline:
             self._fail(stage_error("drafter", k, d_lane, exc))
             self._raise_failure()
         flight.future = drafter
+        self._last_drafter[replica] = drafter
         self._track(drafter, "drafter", k, d_lane, flight=flight)
+        return drafter
+
+    def _submit_native(
+        self, flight: Flight, t_index: int, t_lane: Lane, replica: int, batch: Any
+    ) -> Future | None:
+        """Microbatch k as two stream programs, or None when it does not qualify (Note
+        [Native microbatch]); it then holds no hidden states of its own."""
+        k, d_lane = flight.k, self._drafter_lanes[replica]
+        try:
+            launched = self._native.submit(
+                k, t_index, t_lane, replica, batch, self._last_drafter[replica]
+            )
+        except BaseException as exc:  # noqa: BLE001 - raised below, as the pipeline's failure
+            self._cancel_flight()
+            self._fail(stage_error("target", k, t_lane, exc))
+            self._raise_failure()
+        if launched is None:
+            return None
+        target, drafter, event = launched
+        with self._cond:
+            flight.event = event
+            # No callback of its own: its worker would take the GIL for it. The drafter
+            # program waits for it, so the drafter's callback ends it (Note [Native microbatch]).
+            self._outstanding.add(target, cancellable=True)
+        flight.future = drafter
+        self._last_drafter[replica] = drafter
+        self._track(drafter, "drafter", k, d_lane, flight=flight, upstream=(target, t_lane))
         return drafter
 
     def _enter_window(self, k: int) -> Flight:
@@ -357,26 +399,49 @@ class Pipeline:
         step: int | None = None,
         cancellable: bool = True,
         on_result: Callable[[Future], None] | None = None,
+        upstream: tuple[Future, Lane] | None = None,
     ) -> None:
+        """Counts `future` outstanding until its done callback. `upstream`: a target
+        future (and its lane) this one waited for, already outstanding, ended here too:
+        first, so that its failure is the one reported."""
         with self._cond:
             self._outstanding.add(future, cancellable=cancellable)
 
         def done(f: Future) -> None:
-            trained = not f.cancelled() and f.exception() is None
-            if trained and on_result is not None:
-                on_result(f)
-            failure = failure_of(f, stage, k, lane, step=step)
-            with self._cond:
-                self._outstanding.ended(f)
-                if failure is not None:
-                    self._outstanding.fail(failure)
-                if flight is not None:
-                    flight.ended = True
-                    self._hidden.release(flight.k)
-                    self._microbatches += trained
-                self._cond.notify_all()
+            if upstream is not None:
+                target, t_lane = upstream
+                if target.done():
+                    self._ended(target, "target", k, t_lane)
+                else:  # cancelled before it waited for the target
+                    target.add_done_callback(lambda t: self._ended(t, "target", k, t_lane))
+            self._ended(f, stage, k, lane, flight=flight, step=step, on_result=on_result)
 
         future.add_done_callback(done)
+
+    def _ended(
+        self,
+        f: Future,
+        stage: str,
+        k: int | None,
+        lane: Lane,
+        *,
+        flight: Flight | None = None,
+        step: int | None = None,
+        on_result: Callable[[Future], None] | None = None,
+    ) -> None:
+        trained = not f.cancelled() and f.exception() is None
+        if trained and on_result is not None:
+            on_result(f)
+        failure = failure_of(f, stage, k, lane, step=step)
+        with self._cond:
+            self._outstanding.ended(f)
+            if failure is not None:
+                self._outstanding.fail(failure)
+            if flight is not None:
+                flight.ended = True
+                self._hidden.release(flight.k)
+                self._microbatches += trained
+            self._cond.notify_all()
 
     def _watch_step(self, future: Future, tasks: StepTasks) -> None:
         def done(f: Future) -> None:
@@ -428,7 +493,9 @@ class Pipeline:
     # --- introspection ------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Counters and the hidden-state bytes held: now, at the peak, and the most one
-        microbatch held (its target result, plus its copy on another device)."""
+        microbatch held (its target result, plus its copy on another device).
+        "native_microbatches": those submitted as stream programs (Note [Native
+        microbatch] in pydflash/native_microbatch.py), which hold none of their own."""
         with self._cond:
             return {
                 "steps": self._steps,
@@ -437,6 +504,7 @@ class Pipeline:
                 "depth": self.depth,
                 "accumulate": self.accumulate,
                 "in_flight": self._window.in_flight(),
+                "native_microbatches": 0 if self._native is None else self._native.submitted,
                 **self._hidden.stats(),
                 "target_lanes": [lane.label for lane in self._target_lanes],
                 "drafter_lanes": [lane.label for lane in self._drafter_lanes],

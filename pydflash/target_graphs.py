@@ -88,6 +88,7 @@ class _Static:
     out_spec: Any = None
     out_leaves: list[Any] | None = None
     out_cuts: list[int] | None = None
+    out_signature: tuple | None = None  # signature() of the outputs: the drafter's key
 
 
 class TargetGraphs(TargetStage):
@@ -257,6 +258,25 @@ class TargetGraphs(TargetStage):
             "policy": self.policy,
         }
 
+    def ready(self, lane: Lane, leaves: list[Any], spec: Any, b: int, t: int) -> Any:
+        """The GraphEntry that would replay this [b, t] batch (its leaves and spec) on
+        `lane`, when a stream program may launch it instead (Note [Native microbatch] in
+        pydflash/native_microbatch.py): captured, kept by the policy, replayed once here
+        (so its outputs' layout is known). None otherwise. Any thread."""
+        bucket = choose_bucket(b, t, self.lengths, self.batch_sizes)
+        if bucket is None:
+            return None
+        entry = self._cache.lane(lane).ready((bucket, spec, signature(leaves)))
+        if entry is None or entry.data.out_signature is None:
+            return None
+        return entry
+
+    def replayed_natively(self, lane: Lane, entry: Any, b: int, t: int) -> None:
+        """Counts a replay of `entry` that a stream program launched."""
+        self._cache.lane(lane).replayed()
+        bucket = entry.data.bucket
+        self._padding.add(b * t, bucket.batch * bucket.length)
+
     # --- on the lane's worker ----------------------------------------------------------------
     def _run(self, lane: Lane, batch: Any, threads: int) -> Any:
         match_intra_op_threads(threads)
@@ -284,6 +304,7 @@ class TargetGraphs(TargetStage):
                 out_leaves, static.out_spec = flatten(entry.outputs)
                 static.out_leaves = out_leaves
                 static.out_cuts = [cut_kind(x, bucket) for x in out_leaves]
+                static.out_signature = signature(out_leaves)
             else:
                 for buffer, x, p in zip(static.inputs, leaves, pads, strict=True):
                     if isinstance(x, torch.Tensor):

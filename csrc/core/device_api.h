@@ -11,6 +11,7 @@
 // child leaks them instead, as they are the parent's.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -49,6 +50,14 @@ float elapsed_ms(Event start, Event end);
 void launch_host_func(Stream stream, void (*fn)(void*), void* arg);
 /// cudaGraphLaunch of a cudaGraphExec_t given as an integer (torch's raw_cuda_graph_exec()).
 void launch_graph(uintptr_t graph_exec, Stream stream);
+/// cudaMemcpy2DAsync (any direction, by address): `height` rows of `width` bytes,
+/// `spitch` apart at `src` and `dpitch` apart at `dst`.
+void copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+             Stream stream);
+/// cudaMemset2DAsync: `height` rows of `width` bytes, `pitch` apart, set to byte `value`.
+void fill_2d(void* dst, size_t pitch, int value, size_t width, size_t height, Stream stream);
+/// `count` int64s at `dst` set to `value` (a kernel).
+void fill_i64(void* dst, size_t count, int64_t value, Stream stream);
 /// A kernel that keeps one thread block busy for `ns` nanoseconds: GPU work of known length.
 void busy_wait(Stream stream, uint64_t ns, int blocks);
 

@@ -1,6 +1,13 @@
 #include "core/device_watcher.h"
 
+#ifdef __linux__
+#include <pthread.h>
+#endif
+
+#include <algorithm>
+#include <chrono>
 #include <exception>
+#include <thread>
 #include <utility>
 
 #include "core/device_api.h"
@@ -19,15 +26,21 @@ DeviceWatcher::~DeviceWatcher() {
   thread_.join();
 }
 
-void DeviceWatcher::watch(void* event, Completion done) {
+void DeviceWatcher::watch(void* event, Completion done, bool prompt) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    items_.push_back(Item{event, std::move(done)});
+    items_.push_back(Item{event, std::move(done), prompt});
   }
   cv_.notify_one();
 }
 
 void DeviceWatcher::main() {
+#ifdef __linux__
+  // Its own name (a thread inherits its creator's, a lane worker's): profiles and
+  // per-thread CPU times tell the two apart.
+  pthread_setname_np(pthread_self(),
+                     ("pydflash-watch" + std::to_string(device_)).substr(0, 15).c_str());
+#endif
   // Without the device every wait fails alike: each completion is told why.
   std::string device_error;
   try {
@@ -45,7 +58,14 @@ void DeviceWatcher::main() {
     std::string error = device_error;
     if (error.empty()) {
       try {
-        device::synchronize_event(item.event);
+        if (item.prompt) {
+          device::synchronize_event(item.event);
+        } else {
+          for (auto pause = std::chrono::microseconds(50); !device::query_event(item.event);
+               pause = std::min(2 * pause, std::chrono::microseconds(2000))) {
+            std::this_thread::sleep_for(pause);
+          }
+        }
       } catch (const std::exception& e) {
         error = e.what();
       }

@@ -32,6 +32,10 @@ struct StateError : Error {
 struct TimeoutError : Error {
   using Error::Error;
 };
+/// A task's input failed or was cancelled: becomes pydflash.InputFailedError.
+struct InputError : StateError {
+  using StateError::StateError;
+};
 /// A CUDA runtime call failed: becomes pydflash.CudaError.
 struct CudaError : Error {
   using Error::Error;

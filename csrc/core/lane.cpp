@@ -176,13 +176,17 @@ void Lane::post_internal(std::unique_ptr<TaskBody> body) {
   queue_.push_internal(Task{nullptr, std::move(body)});
 }
 
-void Lane::when_passed(void* event, DeviceWatcher::Completion done) {
+void Lane::when_passed(void* event, DeviceWatcher::Completion done, bool prompt) {
   if (!watcher_) watcher_ = std::make_unique<DeviceWatcher>(device_);
-  watcher_->watch(event, std::move(done));
+  watcher_->watch(event, std::move(done), prompt);
 }
 
 void Lane::device_work_finished() {
   add_single_writer<uint64_t>(completed_, 1);
+  device_work_done();
+}
+
+void Lane::device_work_done() {
   if (on_device_.fetch_sub(1) == 1) queue_.wake();
 }
 
@@ -321,9 +325,13 @@ std::vector<TraceRecord> Lane::take_trace() {
   return out;
 }
 
-void Lane::enter() {
+void Lane::enter(bool hurried) {
   if (!entered_) {
-    interpreter_->enter();
+    if (hurried) {
+      interpreter_->enter();
+    } else {
+      interpreter_->enter_unhurried();
+    }
     entered_ = true;
     in_interpreter_.store(true, std::memory_order_release);
   }
@@ -423,7 +431,7 @@ void Lane::run_one(Task& task) {
     return;
   }
   if (body->needs_interpreter()) {
-    enter();
+    enter(/*hurried=*/future != nullptr);
   } else {
     leave();
   }

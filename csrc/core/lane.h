@@ -31,6 +31,9 @@ class Interpreter {
   /// First thing on the worker thread, before any task; not entered.
   virtual void thread_started(Lane&) {}
   virtual void enter() = 0;
+  /// enter() for work that no thread waits on (an internal release): it may block on
+  /// the interpreter at once rather than spend CPU to enter sooner.
+  virtual void enter_unhurried() { enter(); }
   virtual void leave() = 0;
   /// Last thing on the worker thread; not entered.
   virtual void thread_exiting() {}
@@ -124,10 +127,14 @@ class Lane : public std::enable_shared_from_this<Lane> {
   void post_internal(std::unique_ptr<TaskBody> body);
   /// Work launched on the device whose completion will be posted later.
   void device_work_started() { on_device_.fetch_add(1); }
+  /// The completion of device work: counts its task as completed, as device_work_done().
   void device_work_finished();
+  /// Device work done whose task was counted when it finished (a program's release).
+  void device_work_done();
   /// Calls `done` from another thread once `event`, recorded on the lane stream, has
-  /// passed (Note [Completions off the stream]). On the worker only.
-  void when_passed(void* event, DeviceWatcher::Completion done);
+  /// passed (Note [Completions off the stream]); `prompt` as for DeviceWatcher::watch.
+  /// On the worker only.
+  void when_passed(void* event, DeviceWatcher::Completion done, bool prompt = true);
 
   /// Closes the queue. With cancel, returns the queued tasks with their futures
   /// cancelled, all but the one an idle worker was woken for (Note [Taken is running]);
@@ -182,7 +189,7 @@ class Lane : public std::enable_shared_from_this<Lane> {
   /// Gives up the trace's events without destroying them (a forked child's ~Lane).
   void forget_trace_events();
   /// Enter or leave the interpreter; entered_ says which the worker is in.
-  void enter();
+  void enter(bool hurried = true);
   void leave();
   void pause_for_quiet();
 

@@ -175,4 +175,15 @@ void launch_graph(uintptr_t graph_exec, Stream stream) {
                                       static_cast<cudaStream_t>(stream)));
 }
 
+void copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+             Stream stream) {
+  PYDFLASH_CUDA_CHECK(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDefault,
+                                        static_cast<cudaStream_t>(stream)));
+}
+
+void fill_2d(void* dst, size_t pitch, int value, size_t width, size_t height, Stream stream) {
+  PYDFLASH_CUDA_CHECK(
+      cudaMemset2DAsync(dst, pitch, value, width, height, static_cast<cudaStream_t>(stream)));
+}
+
 }  // namespace pydflash::device

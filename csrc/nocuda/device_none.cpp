@@ -29,6 +29,9 @@ void stream_wait_event(Stream, Event) { no_cuda(); }
 float elapsed_ms(Event, Event) { no_cuda(); }
 void launch_host_func(Stream, void (*)(void*), void*) { no_cuda(); }
 void launch_graph(uintptr_t, Stream) { no_cuda(); }
+void copy_2d(void*, size_t, const void*, size_t, size_t, size_t, Stream) { no_cuda(); }
+void fill_2d(void*, size_t, int, size_t, size_t, Stream) { no_cuda(); }
+void fill_i64(void*, size_t, int64_t, Stream) { no_cuda(); }
 void busy_wait(Stream, uint64_t, int) { no_cuda(); }
 
 }  // namespace pydflash::device

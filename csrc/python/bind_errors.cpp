@@ -29,6 +29,8 @@ void set_python_error(std::exception_ptr p) {
     PyErr_SetString(PyExc_ValueError, e.what());
   } catch (const TypeError& e) {
     PyErr_SetString(PyExc_TypeError, e.what());
+  } catch (const InputError& e) {
+    set_error_from_module("pydflash.errors", "InputFailedError", e.what());
   } catch (const StateError& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
   } catch (const CompileQueueTimeout& e) {

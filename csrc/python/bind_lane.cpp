@@ -6,6 +6,7 @@
 #include "core/device_api.h"
 #include "core/error.h"
 #include "core/lane.h"
+#include "core/stream_program.h"
 #include "python/bindings.h"
 #include "python/future_object.h"
 #include "python/gil.h"
@@ -24,6 +25,65 @@ struct PyLane {
   std::shared_ptr<LaneRuntime> rt;
   std::shared_ptr<Lane> lane;
 };
+
+// A stream program from Python: a sequence of tuples (kind, field, ...), each field an int,
+// in StreamOp's order after the kind: Copy (dst, dpitch, src, spitch, width, height),
+// Fill (dst, dpitch, value, width, height), FillI64 (dst, count, value), Graph (exec),
+// WaitInput (), Record (event). Read with the C API: it runs once per microbatch.
+std::vector<StreamOp> stream_ops(py::handle ops) {
+  using Kind = StreamOp::Kind;
+  py::object seq = py::reinterpret_steal<py::object>(
+      PySequence_Fast(ops.ptr(), "expected the stream ops as a sequence of tuples"));
+  if (!seq) throw py::error_already_set();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+  std::vector<StreamOp> program(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = items[i];
+    PYDFLASH_CHECK_TYPE(PyTuple_Check(item) && PyTuple_GET_SIZE(item) >= 1,
+                        "expected each stream op as a tuple (kind, ...), got ",
+                        Py_TYPE(item)->tp_name);
+    const Py_ssize_t size = PyTuple_GET_SIZE(item);
+    uint64_t f[7] = {};
+    for (Py_ssize_t j = 0; j < size && j < 7; ++j) {
+      PyObject* v = PyTuple_GET_ITEM(item, j);
+      PYDFLASH_CHECK_TYPE(PyLong_Check(v), "expected int fields in stream op ", i, ", got ",
+                          Py_TYPE(v)->tp_name);
+      // Addresses are unsigned; a fill's value and an int64 fill may be negative.
+      f[j] = static_cast<uint64_t>(PyLong_AsUnsignedLongLongMask(v));
+    }
+    StreamOp& op = program[static_cast<size_t>(i)];
+    op.kind = static_cast<Kind>(static_cast<int>(f[0]));
+    static constexpr Py_ssize_t kFields[] = {7, 6, 4, 2, 1, 2};
+    PYDFLASH_CHECK_VALUE(f[0] < 6, "expected a stream op kind from 0 to 5, got ",
+                         static_cast<int64_t>(f[0]));
+    PYDFLASH_CHECK_VALUE(size == kFields[f[0]], "expected stream op ", i, " of kind ",
+                         static_cast<int>(f[0]), " to have ", kFields[f[0]], " fields, got ", size);
+    switch (op.kind) {
+      case Kind::Copy:
+        op.dst = f[1], op.dpitch = f[2], op.src = f[3], op.spitch = f[4], op.width = f[5],
+        op.height = f[6];
+        break;
+      case Kind::Fill:
+        op.dst = f[1], op.dpitch = f[2], op.value = static_cast<int64_t>(f[3]), op.width = f[4],
+        op.height = f[5];
+        break;
+      case Kind::FillI64:
+        op.dst = f[1], op.width = f[2], op.value = static_cast<int64_t>(f[3]);
+        break;
+      case Kind::Graph:
+        op.src = f[1];
+        break;
+      case Kind::WaitInput:
+        break;
+      case Kind::Record:
+        op.dst = f[1];
+        break;
+    }
+    check_op(op);
+  }
+  return program;
+}
 
 // Queues fn(*args, **kwargs) on a lane; args[0] is fn. Returns a new reference.
 PyObject* submit_to(PyLane& l, PyObject* owner, PyObject* const* args, Py_ssize_t nargs,
@@ -248,6 +308,22 @@ void init_lane(py::module_& m) {
             return future;
           },
           py::arg("graph_exec"), py::arg("keepalive"), py::arg("owner"))
+      .def(
+          "submit_program",
+          [](PyLane& l, py::handle ops, py::object keepalive, py::object input, py::handle owner) {
+            std::vector<StreamOp> program = stream_ops(ops);
+            PYDFLASH_CHECK_TYPE(input.is_none() || as_future(input.ptr()) != nullptr,
+                                "expected the input as a pydflash future or None, got ",
+                                Py_TYPE(input.ptr())->tp_name);
+            PYDFLASH_CHECK_VALUE(l.lane->is_gpu(), "stream programs run on GPU lanes; ",
+                                 l.rt->label, " is a CPU lane");
+            py::object future = make_python_future(*l.rt, l.lane->take_id(), owner);
+            l.lane->submit(state_of(future.ptr()),
+                           make_program_task(*l.rt, std::move(program), std::move(keepalive),
+                                             std::move(input), future));
+            return future;
+          },
+          py::arg("ops"), py::arg("keepalive"), py::arg("input"), py::arg("owner"))
       .def("load", [](const PyLane& l) { return l.lane->load(); })
       .def("stats",
            [](const PyLane& l) {

@@ -51,6 +51,12 @@ void LaneRuntime::enter() {
   WaitingWithoutGil::worker_entering(-1);
 }
 
+// No poll for internal work (a graph's completion, a program's release): their futures
+// are published without the GIL already, so only a graph future's done callbacks wait
+// for it. Polling here cost a worker up to kEnterPollNs per completion while the
+// driving thread kept submitting.
+void LaneRuntime::enter_unhurried() { restore_gil(tstate_); }
+
 void LaneRuntime::leave() { PyEval_SaveThread(); }
 
 void LaneRuntime::thread_exiting() {

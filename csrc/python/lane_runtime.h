@@ -65,6 +65,7 @@ class LaneRuntime : public Interpreter {
 
   void thread_started(Lane& lane) override;
   void enter() override;
+  void enter_unhurried() override;
   void leave() override;
   void thread_exiting() override;
 

@@ -2,9 +2,12 @@
 
 #include <new>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/device_api.h"
 #include "core/error.h"
+#include "core/stream_program.h"
 #include "python/bindings.h"
 #include "python/future_object.h"
 #include "python/torch_abi.h"
@@ -206,6 +209,121 @@ bool GraphTask::run(Lane& lane, FutureState* state) {
   return false;
 }
 
+// Note [Program tasks]: a stream program (core/stream_program.h) issued without the GIL.
+// Its future completes once the ops are issued, as a Python task's does once its Python
+// returns, with an event after them; what the ops read (`keepalive`: host buffers, graphs)
+// lives until the GPU has passed that event, like a graph task's graph. A program with
+// an input first waits for that task's future (counting as paused for a quiet, Note
+// [Quiet device for capture]) and fails when the input was cancelled or failed, issuing
+// nothing. Every Python reference moves to the release once the ops are issued, so the
+// worker finishes the future and drops the body without taking the GIL.
+class ProgramTask final : public TaskBody {
+ public:
+  ProgramTask(LaneRuntime& rt, std::vector<StreamOp> ops, py::object keepalive, py::object input,
+              py::object future)
+      : rt_(rt),
+        ops_(std::move(ops)),
+        keepalive_(keepalive.release().ptr()),
+        input_(input.is_none() ? nullptr : input.release().ptr()),
+        future_(future.release().ptr()),
+        observed_future_(future_) {}
+
+  ~ProgramTask() override {
+    // Only reached with references still held when entered (cancelled, or failed).
+    Py_XDECREF(keepalive_);
+    Py_XDECREF(input_);
+    Py_XDECREF(future_);
+  }
+
+  bool needs_interpreter() const override { return false; }
+  bool needs_interpreter_to_destroy() const override { return future_ != nullptr; }
+  bool run(Lane& lane, FutureState* state) override;
+  // The release keeps the future alive past this: it runs on this lane, after the task.
+  void notify(FutureState&) override { notify_future(observed_future_); }
+  std::string label() const override { return "program"; }
+
+ private:
+  /// The input's event once it finished well; throws StateError when it did not.
+  void* input_event();
+  /// Hands every reference to a release posted once the GPU passes the future's event.
+  void release_after_gpu(Lane& lane, FutureState* state);
+
+  LaneRuntime& rt_;
+  std::vector<StreamOp> ops_;
+  PyObject* keepalive_;
+  PyObject* input_;
+  PyObject* future_;
+  PyObject* const observed_future_;  // borrowed: `future_`, or whoever holds it after run()
+};
+
+// Drops a finished program's references under the GIL.
+class ProgramRelease final : public TaskBody {
+ public:
+  explicit ProgramRelease(std::vector<PyObject*> refs) : refs_(std::move(refs)) {}
+  bool needs_interpreter() const override { return true; }
+  bool run(Lane& lane, FutureState*) override {
+    for (PyObject* ref : refs_) Py_XDECREF(ref);
+    refs_.clear();
+    lane.device_work_done();
+    return true;
+  }
+
+ private:
+  std::vector<PyObject*> refs_;
+};
+
+void* ProgramTask::input_event() {
+  if (input_ == nullptr) return nullptr;
+  std::shared_ptr<FutureState> input = state_of(input_);
+  input->wait(-1, 0, 1'000'000, nullptr);
+  if (input->status() == FutureStatus::Cancelled) {
+    throw InputError("its input task was cancelled");
+  }
+  // The worker that finished the input wrote its outcome before the transition that
+  // done() read: plain reads are ordered after it.
+  if (input->error() || as_future(input_)->exception != nullptr) {
+    throw InputError("its input task failed");
+  }
+  return input->event();
+}
+
+void ProgramTask::release_after_gpu(Lane& lane, FutureState* state) {
+  std::vector<PyObject*> refs{std::exchange(keepalive_, nullptr), std::exchange(input_, nullptr),
+                              std::exchange(future_, nullptr)};
+  lane.device_work_started();
+  // Nobody waits for the release: the watcher polls for it rather than spin.
+  lane.when_passed(
+      state->event(),
+      [&lane, refs = std::move(refs)](const std::string&) mutable {
+        lane.post_internal(std::make_unique<ProgramRelease>(std::move(refs)));
+      },
+      /*prompt=*/false);
+}
+
+bool ProgramTask::run(Lane& lane, FutureState* state) {
+  size_t issued = 0;
+  try {
+    void* event = input_event();
+    issue(ops_, lane.stream(), event, &issued);
+    lane.record_event(*state);
+  } catch (const InputError& e) {
+    state->set_error(std::current_exception());  // nothing issued yet
+    return true;
+  } catch (const std::exception& e) {
+    state->set_error(std::make_exception_ptr(StateError(rt_.label + ": program: " + e.what())));
+    if (issued == 0) return true;  // nothing reached the GPU: the body drops its references
+    try {
+      lane.record_event(*state);
+    } catch (...) {
+      // The device cannot say when the issued ops end: keep what they read forever.
+      keepalive_ = input_ = future_ = nullptr;
+      return true;
+    }
+  }
+  release_after_gpu(lane, state);
+  return true;
+}
+
 }  // namespace
 
 py::object make_python_future(LaneRuntime& rt, uint64_t id, py::handle lane) {
@@ -230,6 +348,13 @@ std::unique_ptr<TaskBody> make_python_task(LaneRuntime& rt, py::object fn, py::t
 std::unique_ptr<TaskBody> make_graph_task(LaneRuntime& rt, uintptr_t graph_exec,
                                           py::object keepalive, py::object future) {
   return std::make_unique<GraphTask>(rt, graph_exec, std::move(keepalive), std::move(future));
+}
+
+std::unique_ptr<TaskBody> make_program_task(LaneRuntime& rt, std::vector<StreamOp> ops,
+                                            py::object keepalive, py::object input,
+                                            py::object future) {
+  return std::make_unique<ProgramTask>(rt, std::move(ops), std::move(keepalive), std::move(input),
+                                       std::move(future));
 }
 
 }  // namespace pydflash::python

@@ -7,8 +7,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "core/lane.h"
+#include "core/stream_program.h"
 #include "python/lane_runtime.h"
 
 namespace pydflash::python {
@@ -28,5 +30,11 @@ std::unique_ptr<TaskBody> make_python_task(LaneRuntime& rt, pybind11::object fn,
 /// Launches `graph_exec` (a cudaGraphExec_t); `keepalive` lives until the GPU is done.
 std::unique_ptr<TaskBody> make_graph_task(LaneRuntime& rt, uintptr_t graph_exec,
                                           pybind11::object keepalive, pybind11::object future);
+
+/// Issues `ops` on the lane's stream after `input` (a future, or None) finished well;
+/// `keepalive` lives until the GPU has passed them. Note [Program tasks] in tasks.cpp.
+std::unique_ptr<TaskBody> make_program_task(LaneRuntime& rt, std::vector<StreamOp> ops,
+                                            pybind11::object keepalive, pybind11::object input,
+                                            pybind11::object future);
 
 }  // namespace pydflash::python

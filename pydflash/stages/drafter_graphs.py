@@ -266,6 +266,27 @@ class DrafterGraphs(EagerDrafter):
         self._padding.add(b * t, bucket.batch * bucket.length)
         return entry.outputs.clone()
 
+    def ready(self, replica: int, spec: Any, sig: tuple, b: int, t: int) -> Any:
+        """The GraphEntry that would train replica `replica` on [b, t] inputs of tree
+        `spec` and signature `sig`, when a stream program may launch it instead (Note
+        [Native microbatch] in pydflash/native_microbatch.py): captured, kept by the
+        policy, replayed once here. None otherwise. Any thread."""
+        rep = self._replicas[replica]
+        bucket = choose_bucket(b, t, self.lengths, self.batch_sizes)
+        if bucket is None or not _captures(rep.lane):
+            return None
+        entry = self._cache.lane(rep.lane).ready((bucket, spec, sig))
+        if entry is None or entry.data.fresh:
+            return None
+        return entry
+
+    def replayed_natively(self, replica: int, b: int, t: int) -> None:
+        """Counts a microbatch replay that a stream program launched."""
+        rep = self._replicas[replica]
+        self._cache.lane(rep.lane).replayed()
+        bucket = choose_bucket(b, t, self.lengths, self.batch_sizes)
+        self._padding.add(b * t, bucket.batch * bucket.length)
+
     def reduce(self, step: int, after: Sequence[Any]) -> Gradients:
         lane0 = self.lanes[0]
         try:

@@ -9,5 +9,7 @@ namespace pydflash::fake_device {
 int live_events();
 /// What device::stream_busy answers for every stream (false at first).
 void set_streams_busy(bool busy);
+/// Whether device::query_event answers "not yet" for every event (false at first).
+void set_events_pending(bool pending);
 
 }  // namespace pydflash::fake_device

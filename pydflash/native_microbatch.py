@@ -1,0 +1,246 @@
+"""A pipeline microbatch as two stream programs, issued by the lane workers without the GIL.
+
+Note [Native microbatch]: once both stages hold a graph for a microbatch's bucket
+(`TargetGraphs` for the target, `DrafterGraphs` for the drafter, both captured and kept,
+and replayed once in Python), the pipeline's per-microbatch Python is bookkeeping, and the
+stages' tasks would spend more host time than the GPU spends on the graphs. Then
+`Pipeline` submits two stream programs (`Lane.submit_program`, Note [Program tasks] in
+csrc/python/tasks.cpp) instead of two Python tasks:
+
+- on the target lane: the batch copied into the target graph's static inputs, padding
+  filled; the target graph; a wait for the replica's previous drafter work; the outputs'
+  real rows copied straight into the drafter graph's static inputs, padding filled;
+- on the drafter lane, after the target program: the real lengths written into the
+  drafter's `lengths` (Note [Padding contract] in pydflash/stages/drafter_graphs.py); the
+  drafter graph (forward, loss, backward into the static gradients); the loss copied out;
+  the flight's event recorded.
+
+The same math as the Python path (the same graphs, fed the same padded buffers), minus the
+output ring: the target writes the drafter's static inputs itself, so it first waits for
+the drafter work that last read them (the replica's previous microbatch, whatever path it
+took). Each worker only issues on its own stream, so captures and quiets order programs
+like any other task. What it takes, else the microbatch runs in Python as before: both
+lanes on one GPU; batch tensors contiguous, on that GPU or in pinned host memory (a copy
+from pageable memory may synchronize); pad values of 0 in both stages (a byte fill); and
+every output of the target cut in batch and length, or in batch alone for [B] ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._future import Future
+from ._tree import flatten
+from .buckets import CUT_BATCH, CUT_BOTH, batch_shape
+from .errors import GraphCaptureError
+from .graph_exec import graph_exec_handle
+from .lane import Lane
+from .stages.drafter_graphs import DrafterGraphs
+from .target_graphs import TargetGraphs
+
+# Op kinds, as csrc/core/stream_program.h numbers them.
+COPY, FILL, FILL_I64, GRAPH, WAIT_INPUT, RECORD = range(6)
+
+
+def copy_padded_ops(ops: list, dst: torch.Tensor, src: int, src_pitch: int, b: int, t: int) -> None:
+    """Appends the ops that write a [b, t, ...] source (or a [b] one) at address `src`,
+    rows `src_pitch` bytes apart, into the top-left corner of the contiguous `dst`, and
+    zeros everywhere else: copy_padded with a pad value of 0 (pydflash/buckets.py)."""
+    base, size = dst.data_ptr(), dst.element_size()
+    if dst.dim() >= 2:
+        rows, length = dst.shape[0], dst.shape[1]
+        inner = math.prod(dst.shape[2:]) * size
+        row, width = length * inner, t * inner
+        ops.append((COPY, base, row, src, src_pitch, width, b))
+        if t < length:
+            ops.append((FILL, base + width, row, 0, row - width, b))
+    else:
+        rows, row = dst.shape[0], size
+        ops.append((COPY, base, b * size, src, b * size, b * size, 1))
+    if b < rows:
+        rest = (rows - b) * row
+        ops.append((FILL, base + b * row, rest, 0, rest, 1))
+
+
+def row_pitch(x: torch.Tensor) -> int:
+    """Bytes between the rows of a contiguous [B, T, ...] (or [B]) tensor."""
+    return (x.stride(0) if x.dim() >= 2 else 1) * x.element_size()
+
+
+def zero_pads(pad_value: Any) -> bool:
+    """Whether a stage pads with 0 everywhere: what a byte fill writes."""
+    values = pad_value.values() if isinstance(pad_value, dict) else (pad_value,)
+    return all(v == 0 for v in values)
+
+
+class NativeMicrobatches:
+    """Submits a pipeline's microbatches as stream programs where they qualify (see the
+    module's note). Used by `Pipeline` on its driving thread."""
+
+    def __init__(
+        self,
+        targets: Sequence[Any],
+        drafter: DrafterGraphs,
+        drafter_lanes: Sequence[Lane],
+        depth: int,
+    ) -> None:
+        self._targets = targets
+        self._drafter = drafter
+        self._slots = depth + 1  # flight events per drafter lane: a flight's is free once it left
+        self._events: dict[Lane, list[torch.cuda.Event]] = {}
+        self._drafter_lanes = drafter_lanes
+        self._handles_ok = True
+        self.submitted = 0  # microbatches submitted as programs
+
+    @classmethod
+    def of(
+        cls,
+        targets: Sequence[Any],
+        target_lanes: Sequence[Lane],
+        drafter: Any,
+        drafter_lanes: Sequence[Lane],
+        depth: int,
+    ) -> NativeMicrobatches | None:
+        """The helper for these stages, or None when no microbatch could qualify."""
+        if not isinstance(drafter, DrafterGraphs) or not zero_pads(drafter.pad_value):
+            return None
+        if not all(lane.is_gpu for lane in (*target_lanes, *drafter_lanes)):
+            return None
+        usable = [isinstance(t, TargetGraphs) and zero_pads(t.pad_value) for t in targets]
+        if not any(usable):
+            return None
+        return cls(
+            [t if ok else None for t, ok in zip(targets, usable, strict=True)],
+            drafter,
+            drafter_lanes,
+            depth,
+        )
+
+    def start_run(self, target_lanes: Sequence[Lane]) -> None:
+        """A run starts with no previous drafter future per replica, while a stopped run's
+        last drafter graphs may still read the static inputs the first programs write:
+        every target stream waits for the drafter streams' work issued so far."""
+        for d_lane in self._drafter_lanes:
+            issued = torch.cuda.Event()
+            issued.record(d_lane.stream)
+            for t_lane in target_lanes:
+                if t_lane.device_index == d_lane.device_index:
+                    t_lane.stream.wait_event(issued)
+
+    def submit(
+        self,
+        k: int,
+        t_index: int,
+        t_lane: Lane,
+        replica: int,
+        batch: Any,
+        previous: Future | None,
+    ) -> tuple[Future, Future, torch.cuda.Event] | None:
+        """(target future, drafter future, flight event) of microbatch k submitted as
+        stream programs, or None: it does not qualify, and nothing was submitted.
+        `previous` is the replica's last drafter future, whose GPU work read the drafter's
+        static inputs last. The drafter future's result is the loss, a device tensor."""
+        stage, d_lane = self._targets[t_index], self._drafter_lanes[replica]
+        if stage is None or not self._handles_ok or t_lane.device_index != d_lane.device_index:
+            return None
+        leaves, spec = flatten(batch)
+        if not all(_on(x, t_lane.device_index) for x in leaves if isinstance(x, torch.Tensor)):
+            return None
+        try:
+            b, t = batch_shape(leaves)
+        except ValueError:
+            return None  # the Python path reports it
+        t_entry = stage.ready(t_lane, leaves, spec, b, t)
+        if t_entry is None:
+            return None
+        out = t_entry.data
+        if not all(
+            _cut_in_place(x, kind) for x, kind in zip(out.out_leaves, out.out_cuts, strict=True)
+        ):
+            return None
+        d_entry = self._drafter.ready(replica, out.out_spec, out.out_signature, b, t)
+        if d_entry is None:
+            return None
+        try:
+            t_exec = _exec_handle(t_entry, t_lane)
+            d_exec = _exec_handle(d_entry, d_lane)
+        except GraphCaptureError:
+            self._handles_ok = False  # a torch without raw graph handles: never again
+            return None
+
+        ops: list[tuple[int, ...]] = []
+        for buffer, x in zip(out.inputs, leaves, strict=True):
+            if isinstance(x, torch.Tensor):
+                copy_padded_ops(ops, buffer, x.data_ptr(), row_pitch(x), b, t)
+        ops.append((GRAPH, t_exec))
+        ops.append((WAIT_INPUT,))
+        static_in = d_entry.data
+        for buffer, x in zip(static_in.inputs, out.out_leaves, strict=True):
+            if isinstance(x, torch.Tensor):
+                copy_padded_ops(ops, buffer, x.data_ptr(), row_pitch(x), b, t)
+        lengths = static_in.lengths
+        loss = torch.empty_like(d_entry.outputs)
+        loss.record_stream(d_lane.stream)
+        event = self._event(d_lane, k)
+        d_ops = [(WAIT_INPUT,), (FILL_I64, lengths.data_ptr(), b, t)]
+        if b < lengths.shape[0]:
+            d_ops.append((FILL_I64, lengths.data_ptr() + 8 * b, lengths.shape[0] - b, 0))
+        nbytes = loss.nbytes
+        d_ops += [
+            (GRAPH, d_exec),
+            (COPY, loss.data_ptr(), nbytes, d_entry.outputs.data_ptr(), nbytes, nbytes, 1),
+            (RECORD, event.cuda_event),
+        ]
+        target = t_lane.submit_program(ops, (leaves, t_entry, d_entry), after=previous)
+        try:
+            drafter = d_lane.submit_program(d_ops, (d_entry, loss), after=target)
+        except BaseException:
+            target.cancel()
+            raise
+        drafter.replace_result(loss)
+        stage.replayed_natively(t_lane, t_entry, b, t)
+        self._drafter.replayed_natively(replica, b, t)
+        self.submitted += 1
+        return target, drafter, event
+
+    def _event(self, lane: Lane, k: int) -> torch.cuda.Event:
+        """Flight k's event on `lane`: blocking, so the window's wait for it sleeps."""
+        events = self._events.get(lane)
+        if events is None:
+            events = []
+            for _ in range(self._slots):
+                event = torch.cuda.Event(blocking=True)
+                event.record(lane.stream)  # made now, so its handle exists
+                events.append(event)
+            self._events[lane] = events
+        return events[k % self._slots]
+
+
+def _on(x: torch.Tensor, device: int) -> bool:
+    """Whether a copy from `x` may be issued by address: contiguous, and on `device` or
+    in pinned host memory."""
+    if not x.is_contiguous():
+        return False
+    if x.is_cuda:
+        return x.device.index == device
+    return x.is_pinned()
+
+
+def _cut_in_place(x: Any, kind: int) -> bool:
+    """Whether an output's real part is rows of a contiguous tensor: cut in batch and
+    length ([B, T, ...]) or in batch ([B])."""
+    if not isinstance(x, torch.Tensor):
+        return True
+    if not x.is_contiguous():
+        return False
+    return (kind == CUT_BOTH and x.dim() >= 2) or (kind == CUT_BATCH and x.dim() == 1)
+
+
+def _exec_handle(entry: Any, lane: Lane) -> int:
+    if entry.exec_handle is None:
+        entry.exec_handle, _ = graph_exec_handle(entry.graph, lane)
+    return entry.exec_handle

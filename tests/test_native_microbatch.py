@@ -1,0 +1,232 @@
+"""Microbatches as stream programs (pydflash/native_microbatch.py, Lane.submit_program).
+
+On CPU: the ops a padded copy is made of, run by a host interpreter of the op list,
+write what `copy_padded` writes; malformed programs are refused with typed errors; and
+the pipeline takes the Python path where no microbatch could qualify. On a GPU: a
+pipeline whose microbatches run as programs trains as the Python path does."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import threading
+
+import pytest
+import torch
+
+import pydflash
+from pydflash import native_microbatch as nm
+from pydflash.buckets import copy_padded
+from pydflash.native_microbatch import NativeMicrobatches, copy_padded_ops, row_pitch
+from pydflash.stages import EagerDrafter
+from pydflash.stages.drafter_graphs import DrafterGraphs
+from tests.test_drafter_graphs import WIDTH, Toy, masked_loss, microbatches
+
+
+def run_on_host(ops: list[tuple[int, ...]]) -> None:
+    """Runs copies and fills on host memory, as csrc/core/stream_program.cpp issues them."""
+    for op in ops:
+        kind = op[0]
+        if kind == nm.COPY:
+            _, dst, dpitch, src, spitch, width, height = op
+            for row in range(height):
+                ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+        elif kind == nm.FILL:
+            _, dst, pitch, value, width, height = op
+            for row in range(height):
+                ctypes.memset(dst + row * pitch, value, width)
+        else:
+            raise AssertionError(f"not a host op: {op}")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_padded_copy_ops_write_what_copy_padded_writes(seed):
+    rng = random.Random(seed)
+    dtype = rng.choice([torch.float32, torch.bfloat16, torch.int64])
+    rows, length = rng.randint(1, 4), rng.randint(1, 9)
+    b, t = rng.randint(1, rows), rng.randint(1, length)
+    trailing = rng.choice([(), (3,), (2, 5)])
+    one_dim = rng.random() < 0.25
+    shape = (b,) if one_dim else (b, t, *trailing)
+    x = (torch.randn(shape) * 100).to(dtype)
+    # The source is either a batch of its own or the real corner of a larger static output.
+    if not one_dim and rng.random() < 0.5:
+        wider = torch.zeros(rows + 1, length + 2, *trailing, dtype=dtype)
+        wider[:b, :t] = x
+        source, src = wider, wider
+    else:
+        source, src = x.contiguous(), x
+    static_shape = (rows,) if one_dim else (rows, length, *trailing)
+    want = torch.full(static_shape, 7, dtype=dtype)
+    copy_padded(want, x, 0)
+    got = torch.full(static_shape, 7, dtype=dtype)
+    ops: list[tuple[int, ...]] = []
+    copy_padded_ops(ops, got, src.data_ptr(), row_pitch(source), b, t)
+    run_on_host(ops)
+    assert torch.equal(got, want)
+
+
+def test_malformed_programs_are_refused_with_typed_errors():
+    with pydflash.Dispatcher(["cpu"]) as d:
+        lane = d.lanes[0]
+        buffer = torch.zeros(16, dtype=torch.uint8)
+        p = buffer.data_ptr()
+        cases = [
+            ([[nm.GRAPH, 1]], TypeError, "as a tuple"),
+            ([(nm.GRAPH, "1")], TypeError, "int fields"),
+            ([(9,)], ValueError, "kind from 0 to 5"),
+            ([(nm.GRAPH,)], ValueError, "to have 2 fields"),
+            ([(nm.FILL, p, 8, 256, 8, 1)], ValueError, "fill byte"),
+            ([(nm.COPY, p, 4, p + 8, 8, 8, 2)], ValueError, "pitch"),
+            ([(nm.COPY, p, 8, 0, 8, 8, 1)], ValueError, "source address"),
+            ([(nm.FILL_I64, p + 1, 1, 5)], ValueError, "aligned"),
+            ([(nm.RECORD, 0)], ValueError, "event to record"),
+            ([(nm.WAIT_INPUT,)], ValueError, "CPU lane"),  # well formed: refused for the lane
+        ]
+        for ops, error, match in cases:
+            with pytest.raises(error, match=match):
+                lane.submit_program(ops, buffer)
+        with pytest.raises(TypeError, match="pydflash future or None"):
+            lane._native.submit_program([(nm.WAIT_INPUT,)], None, object(), lane)
+
+
+def test_cpu_pipelines_take_the_python_path():
+    with pydflash.Dispatcher(["cpu"] * 2) as d:
+        drafter = Toy()
+        stage = DrafterGraphs(
+            d.lanes[1:],
+            drafter=drafter,
+            loss=masked_loss,
+            optimizer=torch.optim.AdamW(drafter.parameters()),
+            accumulate=2,
+        )
+        target = pydflash.TargetGraphs(lambda batch: batch)
+        assert NativeMicrobatches.of([target], d.lanes[:1], stage, d.lanes[1:], 2) is None
+        pipe = pydflash.Pipeline(
+            d.lanes[:1], d.lanes[1:], target=target, drafter=stage, accumulate=2
+        )
+        list(pipe.run(microbatches(4)))
+        assert pipe.stats()["native_microbatches"] == 0
+
+
+def test_only_graph_stages_that_pad_with_zeros_qualify(monkeypatch):
+    class GpuLane:
+        is_gpu = True
+
+    lanes = [GpuLane(), GpuLane()]
+    drafter = DrafterGraphs.__new__(DrafterGraphs)
+    drafter.pad_value = 0
+    target = pydflash.TargetGraphs(lambda batch: batch)
+    assert NativeMicrobatches.of([target], lanes[:1], drafter, lanes[1:], 2) is not None
+    eager = EagerDrafter.__new__(EagerDrafter)
+    assert NativeMicrobatches.of([target], lanes[:1], eager, lanes[1:], 2) is None
+    assert NativeMicrobatches.of([lambda b: b], lanes[:1], drafter, lanes[1:], 2) is None
+    padded = pydflash.TargetGraphs(lambda batch: batch, pad_value={"y": -100})
+    assert NativeMicrobatches.of([padded], lanes[:1], drafter, lanes[1:], 2) is None
+    drafter.pad_value = {"h": 0.0, "y": 0}
+    assert NativeMicrobatches.of([target], lanes[:1], drafter, lanes[1:], 2) is not None
+
+
+# --- on a GPU --------------------------------------------------------------------------------
+def gpu_batches(count: int, seed: int) -> list[dict]:
+    """Pinned host batches of a few lengths (so buckets repeat), and one above the largest
+    bucket, which takes the Python path between programs."""
+    data = microbatches(count, seed=seed, lengths=(5, 9, 13, 16))
+    data[count // 2] = microbatches(1, seed=seed + 1, lengths=(40,))[0]
+    return [{k: v.pin_memory() for k, v in x.items()} for x in data]
+
+
+def train_pipeline(batches: list[dict], native: bool, accumulate: int = 4):
+    torch.manual_seed(0)
+    project = torch.nn.Linear(WIDTH, WIDTH).cuda().requires_grad_(False)
+
+    def target(batch):
+        return {"h": torch.tanh(project(batch["h"])), "y": batch["y"]}
+
+    with pydflash.Dispatcher(["cuda:0"] * 2) as d:
+        drafter = Toy().cuda()
+        buckets = dict(lengths=(8, 16, 32), policy="graphs")
+        stage = DrafterGraphs(
+            d.lanes[1:],
+            drafter=drafter,
+            loss=masked_loss,
+            optimizer=torch.optim.AdamW(drafter.parameters(), lr=0.05),
+            accumulate=accumulate,
+            clip_grad_norm=0.5,
+            **buckets,
+        )
+        targets = pydflash.TargetGraphs(target, **buckets)
+        pipe = pydflash.Pipeline(
+            d.lanes[:1], d.lanes[1:], target=targets, drafter=stage, accumulate=accumulate
+        )
+        if not native:
+            pipe._native = None
+        losses = [x for step in pipe.run(batches) for x in step.losses()]
+        torch.cuda.synchronize()
+        return losses, drafter, pipe.stats(), stage.stats()
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::pydflash.GraphFallbackWarning")  # the batch above 32
+def test_gpu_programs_train_as_the_python_path_does():
+    batches = gpu_batches(48, seed=3)
+    losses, drafter, stats, stage_stats = train_pipeline(batches, native=True)
+    want_losses, want_drafter, want_stats, _ = train_pipeline(batches, native=False)
+    assert want_stats["native_microbatches"] == 0
+    assert stats["native_microbatches"] > len(batches) // 2, stats
+    assert stats["steps"] == want_stats["steps"] == len(batches) // 4
+    (lane,) = stage_stats["lanes"].values()
+    assert lane["replays"] >= stats["native_microbatches"]
+    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
+    for p, q in zip(drafter.parameters(), want_drafter.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_a_program_after_a_cancelled_task_issues_nothing():
+    with pydflash.Dispatcher(["cuda:0"]) as d:
+        lane = d.lanes[0]
+        gate = threading.Event()
+        lane.submit(gate.wait)
+        queued = lane.submit(lambda: None)
+        assert queued.cancel()
+        dst, src = torch.zeros(4, device="cuda"), torch.ones(4, device="cuda")
+        ops = [(nm.COPY, dst.data_ptr(), 16, src.data_ptr(), 16, 16, 1)]
+        after_cancelled = lane.submit_program(ops, (dst, src), after=queued)
+        gate.set()
+        with pytest.raises(pydflash.InputFailedError, match="cancelled"):
+            after_cancelled.result()
+        lane.submit_program([(nm.FILL_I64, dst.data_ptr(), 2, 7)], dst).result()
+        torch.cuda.synchronize()
+        assert dst.view(torch.int64).tolist() == [7, 7]  # the copy never ran
+        lane.submit_program(ops, (dst, src)).result()
+        torch.cuda.synchronize()
+        assert dst.tolist() == [1.0] * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::pydflash.GraphFallbackWarning")
+def test_gpu_leaving_a_native_run_early_leaves_the_pipeline_usable():
+    batches = gpu_batches(24, seed=4)
+    project = torch.nn.Linear(WIDTH, WIDTH).cuda().requires_grad_(False)
+    with pydflash.Dispatcher(["cuda:0"] * 2) as d:
+        drafter = Toy().cuda()
+        buckets = dict(lengths=(8, 16, 32), policy="graphs")
+        stage = DrafterGraphs(
+            d.lanes[1:],
+            drafter=drafter,
+            loss=masked_loss,
+            optimizer=torch.optim.AdamW(drafter.parameters(), lr=0.05),
+            accumulate=2,
+            **buckets,
+        )
+        targets = pydflash.TargetGraphs(lambda b: {"h": project(b["h"]), "y": b["y"]}, **buckets)
+        pipe = pydflash.Pipeline(
+            d.lanes[:1], d.lanes[1:], target=targets, drafter=stage, accumulate=2
+        )
+        for step in pipe.run(batches):
+            if step.step == 6:
+                break  # queued programs are cancelled; those after them fail on their input
+        assert pipe.stats()["native_microbatches"] > 0
+        steps = [step.loss() for step in pipe.run(batches[:8])]
+        assert len(steps) == 4 and all(torch.isfinite(torch.tensor(steps)))
