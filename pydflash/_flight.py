@@ -14,16 +14,17 @@ if TYPE_CHECKING:
 
 class Flight:
     """One microbatch in the window: its drafter task's future, the event recorded after
-    that task's GPU work (GPU lanes), and whether the task has ended (its done callback
-    has run, so the pipeline's counts include it)."""
+    that task's GPU work (GPU lanes), whether the task has ended (its done callback has
+    run, so the pipeline's counts include it), and, for stream programs, what they read."""
 
-    __slots__ = ("ended", "event", "future", "k")
+    __slots__ = ("ended", "event", "future", "held", "k")
 
     def __init__(self, k: int) -> None:
         self.k = k
         self.future: Future | None = None
         self.event: Any = None
         self.ended = False
+        self.held: Any = None  # what its stream programs read, kept until `event` passed
 
 
 class FlightWindow:
@@ -61,6 +62,10 @@ class FlightWindow:
 
     def clear(self) -> None:
         self._flights.clear()
+
+    def holds_buffers(self) -> bool:
+        """Whether a flight holds what its stream programs read (until their GPU work ends)."""
+        return any(f.held is not None for f in self._flights)
 
     def in_flight(self) -> int:
         """Microbatches whose drafter task has not ended."""

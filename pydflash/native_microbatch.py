@@ -139,11 +139,13 @@ class NativeMicrobatches:
         replica: int,
         batch: Any,
         previous: Future | None,
-    ) -> tuple[Future, Future, torch.cuda.Event] | None:
-        """(target future, drafter future, flight event) of microbatch k submitted as
-        stream programs, or None: it does not qualify, and nothing was submitted.
+    ) -> tuple[Future, Future, torch.cuda.Event, tuple] | None:
+        """(target future, drafter future, flight event, held) of microbatch k submitted
+        as stream programs, or None: it does not qualify, and nothing was submitted.
         `previous` is the replica's last drafter future, whose GPU work read the drafter's
-        static inputs last. The drafter future's result is the loss, a device tensor."""
+        static inputs last. The drafter future's result is the loss, a device tensor.
+        `held` is what the programs read (the batch, both graphs' entries): the caller
+        keeps it until the event has passed, so the workers never take the GIL for it."""
         stage, d_lane = self._targets[t_index], self._drafter_lanes[replica]
         if stage is None or not self._handles_ok or t_lane.device_index != d_lane.device_index:
             return None
@@ -195,9 +197,9 @@ class NativeMicrobatches:
             (COPY, loss.data_ptr(), nbytes, d_entry.outputs.data_ptr(), nbytes, nbytes, 1),
             (RECORD, event.cuda_event),
         ]
-        target = t_lane.submit_program(ops, (leaves, t_entry, d_entry), after=previous)
+        target = t_lane.submit_program(ops, after=previous)
         try:
-            drafter = d_lane.submit_program(d_ops, (d_entry, loss), after=target)
+            drafter = d_lane.submit_program(d_ops, after=target)
         except BaseException:
             target.cancel()
             raise
@@ -205,7 +207,7 @@ class NativeMicrobatches:
         stage.replayed_natively(t_lane, t_entry, b, t)
         self._drafter.replayed_natively(replica, b, t)
         self.submitted += 1
-        return target, drafter, event
+        return target, drafter, event, (leaves, t_entry, d_entry)
 
     def _event(self, lane: Lane, k: int) -> torch.cuda.Event:
         """Flight k's event on `lane`: blocking, so the window's wait for it sleeps."""

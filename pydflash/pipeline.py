@@ -283,9 +283,9 @@ class Pipeline:
             self._raise_failure()
         if launched is None:
             return None
-        target, drafter, event = launched
+        target, drafter, event, held = launched
         with self._cond:
-            flight.event = event
+            flight.event, flight.held = event, held
             # No callback of its own: its worker would take the GIL for it. The drafter
             # program waits for it, so the drafter's callback ends it (Note [Native microbatch]).
             self._outstanding.add(target, cancellable=True)
@@ -305,6 +305,7 @@ class Pipeline:
                 self._window.leave_oldest()
             if oldest.event is not None:
                 oldest.event.synchronize()  # releases the GIL; ends even after a failure
+            oldest.held = None
         with self._cond:
             return self._window.enter(k)
 
@@ -484,6 +485,11 @@ class Pipeline:
         for future in cancellable:
             future.cancel()
         concurrent.futures.wait(futures)
+        with self._cond:
+            held = self._window.holds_buffers()
+        if held:  # the GPU may still read what stream programs of those flights hold
+            for device in {lane.device_index for lane in self._target_lanes}:
+                torch.cuda.synchronize(device)
         with self._cond:
             self._window.clear()
             self._next_step = self._steps

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import random
 import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -230,3 +232,26 @@ def test_gpu_leaving_a_native_run_early_leaves_the_pipeline_usable():
         assert pipe.stats()["native_microbatches"] > 0
         steps = [step.loss() for step in pipe.run(batches[:8])]
         assert len(steps) == 4 and all(torch.isfinite(torch.tensor(steps)))
+
+
+@pytest.mark.gpu
+def test_gpu_programs_without_a_keepalive_drop_their_references_without_the_gil():
+    # Note [Deferred decrefs]: the worker buries each program's references and releases
+    # them in batches of 64, or when it next leaves the interpreter.
+    with pydflash.Dispatcher(["cuda:0"]) as d:
+        lane = d.lanes[0]
+        dst = torch.zeros(2, dtype=torch.int64, device="cuda")
+        refs = []
+        for i in range(150):
+            future = lane.submit_program([(nm.FILL_I64, dst.data_ptr(), 2, i)])
+            future.result()
+            refs.append(weakref.ref(future))
+            del future
+        assert sum(r() is not None for r in refs) <= 64  # drained twice meanwhile
+        lane.submit(lambda: None).result()  # leaving the interpreter after it drains the rest
+        deadline = time.monotonic() + 5
+        while any(r() is not None for r in refs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(r() is None for r in refs)
+        torch.cuda.synchronize()
+        assert dst.tolist() == [149, 149]

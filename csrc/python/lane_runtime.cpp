@@ -13,8 +13,48 @@ namespace {
 // The poll's bounds (Note [Entering when the GIL is free], lane_runtime.h).
 constexpr int64_t kEnterPollNs = 300'000;
 constexpr int64_t kQuietNs = 10'000;
+// References buried before an internal task releases them (Note [Deferred decrefs]).
+constexpr size_t kBuriedMax = 64;
 
 }  // namespace
+
+// Releases what tasks buried, for a lane that has not left the interpreter for a while.
+class GraveyardDrain final : public TaskBody {
+ public:
+  explicit GraveyardDrain(LaneRuntime& rt) : rt_(rt) {}
+  bool needs_interpreter() const override { return true; }
+  bool run(Lane&, FutureState*) override {
+    rt_.drain_graveyard();
+    return true;
+  }
+
+ private:
+  LaneRuntime& rt_;
+};
+
+void LaneRuntime::bury(std::initializer_list<PyObject*> refs) {
+  bool post = false;
+  {
+    std::lock_guard<std::mutex> lock(graveyard_mutex_);
+    for (PyObject* ref : refs) {
+      if (ref != nullptr) graveyard_.push_back(ref);
+    }
+    buried_.store(graveyard_.size(), std::memory_order_relaxed);
+    if (graveyard_.size() >= kBuriedMax && !drain_posted_) post = drain_posted_ = true;
+  }
+  if (post) lane_->post_internal(std::make_unique<GraveyardDrain>(*this));
+}
+
+void LaneRuntime::drain_graveyard() {
+  std::vector<PyObject*> refs;
+  {
+    std::lock_guard<std::mutex> lock(graveyard_mutex_);
+    refs.swap(graveyard_);
+    buried_.store(0, std::memory_order_relaxed);
+    drain_posted_ = false;
+  }
+  for (PyObject* ref : refs) Py_DECREF(ref);
+}
 
 LaneRuntime::LaneRuntime(std::string label_, py::object future_type)
     : label(std::move(label_)),
@@ -57,10 +97,14 @@ void LaneRuntime::enter() {
 // driving thread kept submitting.
 void LaneRuntime::enter_unhurried() { restore_gil(tstate_); }
 
-void LaneRuntime::leave() { PyEval_SaveThread(); }
+void LaneRuntime::leave() {
+  if (buried_.load(std::memory_order_relaxed) > 0) drain_graveyard();
+  PyEval_SaveThread();
+}
 
 void LaneRuntime::thread_exiting() {
   restore_gil(tstate_);
+  drain_graveyard();
   Py_CLEAR(future_type_);
   streams_.clear();
   PyThreadState_Clear(tstate_);

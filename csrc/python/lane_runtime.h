@@ -7,8 +7,11 @@
 #include <pybind11/pybind11.h>
 
 #include <atomic>
+#include <initializer_list>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "core/lane.h"
 #include "python/torch_abi.h"
@@ -76,11 +79,26 @@ class LaneRuntime : public Interpreter {
   const std::string label;  // "lane 0 (cuda:1)", for errors and traces
   PyObject* future_type() const { return future_type_; }
 
+  /// Note [Deferred decrefs]: a task that ran without the GIL drops its Python
+  /// references here, on the worker, without taking the GIL: they are released the next
+  /// time the worker leaves the interpreter, or by an internal task once kBuriedMax have
+  /// gathered, or when the worker exits. A program launched per microbatch would
+  /// otherwise wake its worker into the GIL for every release. Null entries are skipped.
+  void bury(std::initializer_list<PyObject*> refs);
+
  private:
+  friend class GraveyardDrain;
+  void drain_graveyard();  // entered
+
+  std::mutex graveyard_mutex_;
+  std::vector<PyObject*> graveyard_;
+  std::atomic<size_t> buried_{0};
+  bool drain_posted_ = false;  // under graveyard_mutex_
+
   PyInterpreterState* interp_;
   PyThreadState* tstate_ = nullptr;
-  const Lane* lane_ = nullptr;  // set when the worker starts
-  PyObject* future_type_;       // owned; released entered
+  Lane* lane_ = nullptr;   // set when the worker starts
+  PyObject* future_type_;  // owned; released entered
   LaneStreamSelection streams_;
 };
 

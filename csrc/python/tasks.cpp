@@ -212,7 +212,9 @@ bool GraphTask::run(Lane& lane, FutureState* state) {
 // Note [Program tasks]: a stream program (core/stream_program.h) issued without the GIL.
 // Its future completes once the ops are issued, as a Python task's does once its Python
 // returns, with an event after them; what the ops read (`keepalive`: host buffers, graphs)
-// lives until the GPU has passed that event, like a graph task's graph. A program with
+// lives until the GPU has passed that event, like a graph task's graph. Without a
+// keepalive the submitter keeps it, and the task's own references are buried (Note
+// [Deferred decrefs], lane_runtime.h): no GIL on the worker at all. A program with
 // an input first waits for that task's future (counting as paused for a quiet, Note
 // [Quiet device for capture]) and fails when the input was cancelled or failed, issuing
 // nothing. Every Python reference moves to the release once the ops are issued, so the
@@ -223,7 +225,7 @@ class ProgramTask final : public TaskBody {
               py::object future)
       : rt_(rt),
         ops_(std::move(ops)),
-        keepalive_(keepalive.release().ptr()),
+        keepalive_(keepalive.is_none() ? nullptr : keepalive.release().ptr()),
         input_(input.is_none() ? nullptr : input.release().ptr()),
         future_(future.release().ptr()),
         observed_future_(future_) {}
@@ -245,8 +247,9 @@ class ProgramTask final : public TaskBody {
  private:
   /// The input's event once it finished well; throws StateError when it did not.
   void* input_event();
-  /// Hands every reference to a release posted once the GPU passes the future's event.
-  void release_after_gpu(Lane& lane, FutureState* state);
+  /// Hands every reference on: to a release posted once the GPU passes the future's
+  /// event, or, without a keepalive, to the lane's graveyard.
+  void hand_off_references(Lane& lane, FutureState* state);
 
   LaneRuntime& rt_;
   std::vector<StreamOp> ops_;
@@ -287,7 +290,11 @@ void* ProgramTask::input_event() {
   return input->event();
 }
 
-void ProgramTask::release_after_gpu(Lane& lane, FutureState* state) {
+void ProgramTask::hand_off_references(Lane& lane, FutureState* state) {
+  if (keepalive_ == nullptr) {  // the submitter keeps what the GPU reads
+    rt_.bury({std::exchange(input_, nullptr), std::exchange(future_, nullptr)});
+    return;
+  }
   std::vector<PyObject*> refs{std::exchange(keepalive_, nullptr), std::exchange(input_, nullptr),
                               std::exchange(future_, nullptr)};
   lane.device_work_started();
@@ -320,7 +327,7 @@ bool ProgramTask::run(Lane& lane, FutureState* state) {
       return true;
     }
   }
-  release_after_gpu(lane, state);
+  hand_off_references(lane, state);
   return true;
 }
 
