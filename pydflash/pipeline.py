@@ -19,7 +19,10 @@ cycle. At most `depth` microbatches are between target submit and drafter comple
 that bounds the hidden states alive, and lets the target run ahead of the drafter by
 up to depth - 1 microbatches. On GPU lanes "completion" means the drafter's kernels have
 run, not just been queued: the caching allocator hands out memory when work is queued,
-so a host running ahead of the GPU would hold more than `depth` microbatches.
+so a host running ahead of the GPU would hold more than `depth` microbatches. Once both
+stages replay graphs for a microbatch's bucket, its two tasks are stream programs instead,
+in the same order and issued without Python on the workers (Note [Native microbatch] in
+pydflash/native_microbatch.py).
 
 Determinism: with one drafter replica the drafter sees the same operations in the same
 order as a plain loop, so CPU losses match it exactly. Stages must not draw from torch's

@@ -138,29 +138,36 @@ def gpu_batches(count: int, seed: int) -> list[dict]:
     return [{k: v.pin_memory() for k, v in x.items()} for x in data]
 
 
-def train_pipeline(batches: list[dict], native: bool, accumulate: int = 4):
+def graph_pipeline(lanes, accumulate: int, clip: float | None = None):
+    """(pipeline, drafter stage, drafter): a graph target (a frozen projection) on lanes[0]
+    and a graph drafter on lanes[1], buckets of 8, 16 and 32 kept whatever their speed."""
     torch.manual_seed(0)
     project = torch.nn.Linear(WIDTH, WIDTH).cuda().requires_grad_(False)
 
     def target(batch):
         return {"h": torch.tanh(project(batch["h"])), "y": batch["y"]}
 
+    drafter = Toy().cuda()
+    buckets = dict(lengths=(8, 16, 32), policy="graphs")
+    stage = DrafterGraphs(
+        lanes[1:],
+        drafter=drafter,
+        loss=masked_loss,
+        optimizer=torch.optim.AdamW(drafter.parameters(), lr=0.05),
+        accumulate=accumulate,
+        clip_grad_norm=clip,
+        **buckets,
+    )
+    targets = pydflash.TargetGraphs(target, **buckets)
+    pipe = pydflash.Pipeline(
+        lanes[:1], lanes[1:], target=targets, drafter=stage, accumulate=accumulate
+    )
+    return pipe, stage, drafter
+
+
+def train_pipeline(batches: list[dict], native: bool, accumulate: int = 4):
     with pydflash.Dispatcher(["cuda:0"] * 2) as d:
-        drafter = Toy().cuda()
-        buckets = dict(lengths=(8, 16, 32), policy="graphs")
-        stage = DrafterGraphs(
-            d.lanes[1:],
-            drafter=drafter,
-            loss=masked_loss,
-            optimizer=torch.optim.AdamW(drafter.parameters(), lr=0.05),
-            accumulate=accumulate,
-            clip_grad_norm=0.5,
-            **buckets,
-        )
-        targets = pydflash.TargetGraphs(target, **buckets)
-        pipe = pydflash.Pipeline(
-            d.lanes[:1], d.lanes[1:], target=targets, drafter=stage, accumulate=accumulate
-        )
+        pipe, stage, drafter = graph_pipeline(d.lanes, accumulate, clip=0.5)
         if not native:
             pipe._native = None
         losses = [x for step in pipe.run(batches) for x in step.losses()]
@@ -210,22 +217,8 @@ def test_gpu_a_program_after_a_cancelled_task_issues_nothing():
 @pytest.mark.filterwarnings("ignore::pydflash.GraphFallbackWarning")
 def test_gpu_leaving_a_native_run_early_leaves_the_pipeline_usable():
     batches = gpu_batches(24, seed=4)
-    project = torch.nn.Linear(WIDTH, WIDTH).cuda().requires_grad_(False)
     with pydflash.Dispatcher(["cuda:0"] * 2) as d:
-        drafter = Toy().cuda()
-        buckets = dict(lengths=(8, 16, 32), policy="graphs")
-        stage = DrafterGraphs(
-            d.lanes[1:],
-            drafter=drafter,
-            loss=masked_loss,
-            optimizer=torch.optim.AdamW(drafter.parameters(), lr=0.05),
-            accumulate=2,
-            **buckets,
-        )
-        targets = pydflash.TargetGraphs(lambda b: {"h": project(b["h"]), "y": b["y"]}, **buckets)
-        pipe = pydflash.Pipeline(
-            d.lanes[:1], d.lanes[1:], target=targets, drafter=stage, accumulate=2
-        )
+        pipe, _, _ = graph_pipeline(d.lanes, accumulate=2)
         for step in pipe.run(batches):
             if step.step == 6:
                 break  # queued programs are cancelled; those after them fail on their input
