@@ -217,8 +217,9 @@ bool GraphTask::run(Lane& lane, FutureState* state) {
 // [Deferred decrefs], lane_runtime.h): no GIL on the worker at all. A program with
 // an input first waits for that task's future (counting as paused for a quiet, Note
 // [Quiet device for capture]) and fails when the input was cancelled or failed, issuing
-// nothing. Every Python reference moves to the release once the ops are issued, so the
-// worker finishes the future and drops the body without taking the GIL.
+// nothing. Once the ops are issued every Python reference moves on (to the release, or
+// to the graveyard), so the worker finishes the future and drops the body without the
+// GIL.
 class ProgramTask final : public TaskBody {
  public:
   ProgramTask(LaneRuntime& rt, std::vector<StreamOp> ops, py::object keepalive, py::object input,
@@ -240,12 +241,13 @@ class ProgramTask final : public TaskBody {
   bool needs_interpreter() const override { return false; }
   bool needs_interpreter_to_destroy() const override { return future_ != nullptr; }
   bool run(Lane& lane, FutureState* state) override;
-  // The release keeps the future alive past this: it runs on this lane, after the task.
+  // The release or the graveyard keeps the future alive past this: this lane's worker
+  // empties both, after the task.
   void notify(FutureState&) override { notify_future(observed_future_); }
   std::string label() const override { return "program"; }
 
  private:
-  /// The input's event once it finished well; throws StateError when it did not.
+  /// The input's event once it finished well; throws InputError when it did not.
   void* input_event();
   /// Hands every reference on: to a release posted once the GPU passes the future's
   /// event, or, without a keepalive, to the lane's graveyard.
@@ -313,7 +315,7 @@ bool ProgramTask::run(Lane& lane, FutureState* state) {
     void* event = input_event();
     issue(ops_, lane.stream(), event, &issued);
     lane.record_event(*state);
-  } catch (const InputError& e) {
+  } catch (const InputError&) {
     state->set_error(std::current_exception());  // nothing issued yet
     return true;
   } catch (const std::exception& e) {
