@@ -205,7 +205,7 @@ class NativeMicrobatches:
             raise
         drafter.replace_result(loss)
         stage.replayed_natively(t_lane, t_entry, b, t)
-        self._drafter.replayed_natively(replica, b, t)
+        self._drafter.replayed_natively(replica, d_entry, b, t)
         self.submitted += 1
         return target, drafter, event, (leaves, t_entry, d_entry)
 

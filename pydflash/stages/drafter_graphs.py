@@ -280,11 +280,11 @@ class DrafterGraphs(EagerDrafter):
             return None
         return entry
 
-    def replayed_natively(self, replica: int, b: int, t: int) -> None:
-        """Counts a microbatch replay that a stream program launched."""
-        rep = self._replicas[replica]
-        self._cache.lane(rep.lane).replayed()
-        bucket = choose_bucket(b, t, self.lengths, self.batch_sizes)
+    def replayed_natively(self, replica: int, entry: Any, b: int, t: int) -> None:
+        """Counts a replay of `entry`, whose label is its bucket, that a stream program
+        launched."""
+        self._cache.lane(self._replicas[replica].lane).replayed()
+        bucket = entry.label
         self._padding.add(b * t, bucket.batch * bucket.length)
 
     def reduce(self, step: int, after: Sequence[Any]) -> Gradients:
