@@ -33,26 +33,20 @@ class GraveyardDrain final : public TaskBody {
 };
 
 void LaneRuntime::bury(std::initializer_list<PyObject*> refs) {
-  bool post = false;
-  {
-    std::lock_guard<std::mutex> lock(graveyard_mutex_);
-    for (PyObject* ref : refs) {
-      if (ref != nullptr) graveyard_.push_back(ref);
-    }
-    buried_.store(graveyard_.size(), std::memory_order_relaxed);
-    if (graveyard_.size() >= kBuriedMax && !drain_posted_) post = drain_posted_ = true;
+  for (PyObject* ref : refs) {
+    if (ref != nullptr) graveyard_.push_back(ref);
   }
-  if (post) lane_->post_internal(std::make_unique<GraveyardDrain>(*this));
+  if (graveyard_.size() >= kBuriedMax && !drain_posted_) {
+    drain_posted_ = true;
+    lane_->post_internal(std::make_unique<GraveyardDrain>(*this));
+  }
 }
 
 void LaneRuntime::drain_graveyard() {
+  // Swapped out first: the decrefs may run finalizers, which must not see it half-walked.
   std::vector<PyObject*> refs;
-  {
-    std::lock_guard<std::mutex> lock(graveyard_mutex_);
-    refs.swap(graveyard_);
-    buried_.store(0, std::memory_order_relaxed);
-    drain_posted_ = false;
-  }
+  refs.swap(graveyard_);
+  drain_posted_ = false;
   for (PyObject* ref : refs) Py_DECREF(ref);
 }
 
@@ -98,7 +92,7 @@ void LaneRuntime::enter() {
 void LaneRuntime::enter_unhurried() { restore_gil(tstate_); }
 
 void LaneRuntime::leave() {
-  if (buried_.load(std::memory_order_relaxed) > 0) drain_graveyard();
+  if (!graveyard_.empty()) drain_graveyard();
   PyEval_SaveThread();
 }
 

@@ -9,7 +9,6 @@
 #include <atomic>
 #include <initializer_list>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -84,16 +83,15 @@ class LaneRuntime : public Interpreter {
   /// time the worker leaves the interpreter, or by an internal task once kBuriedMax have
   /// gathered, or when the worker exits. A program launched per microbatch would
   /// otherwise wake its worker into the GIL for every release. Null entries are skipped.
+  /// The graveyard is the worker's alone: buried and drained on its thread, unlocked.
   void bury(std::initializer_list<PyObject*> refs);
 
  private:
   friend class GraveyardDrain;
   void drain_graveyard();  // entered
 
-  std::mutex graveyard_mutex_;
   std::vector<PyObject*> graveyard_;
-  std::atomic<size_t> buried_{0};
-  bool drain_posted_ = false;  // under graveyard_mutex_
+  bool drain_posted_ = false;
 
   PyInterpreterState* interp_;
   PyThreadState* tstate_ = nullptr;
