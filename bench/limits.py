@@ -10,7 +10,8 @@ GPU-busy time is the union of the intervals in which any kernel, copy or memset 
 a device, per device, from the profiler's device activity (kineto/CUPTI): kernels that
 overlap on two streams count once. Host time is the CPU time of every
 thread of the process (Linux /proc), idle lane workers' polling included, so it is an
-upper bound on what the stage's Python cost. Without a GPU, gpu_busy_ms is None.
+upper bound on what the stage's Python cost. Without a GPU, gpu_busy_ms is None. A
+profiled window leaves no cost on later ones (Note [No profiler left behind], bench/__init__.py).
 """
 
 from __future__ import annotations

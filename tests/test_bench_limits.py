@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
+import pytest
 import torch
 
 from bench import limits
@@ -27,6 +31,18 @@ def test_host_time_counts_cpu_work_and_not_sleep():
     assert busy.wall_ms >= 45 and idle.wall_ms >= 45
     assert busy.host_ms >= 40
     assert idle.host_ms < busy.host_ms / 2
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "1"), ("0", "0")])
+def test_bench_tears_cupti_down_after_each_profile_unless_told_otherwise(given, expected):
+    # Note [No profiler left behind] (bench/__init__.py): set before any profile runs.
+    env = {k: v for k, v in os.environ.items() if k != "TEARDOWN_CUPTI"}
+    if given is not None:
+        env["TEARDOWN_CUPTI"] = given
+    code = "import os, bench.run; print(os.environ['TEARDOWN_CUPTI'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == expected
 
 
 def test_flop_count_of_a_matmul():
