@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+import bench
 from bench import limits
 
 
@@ -33,15 +34,27 @@ def test_host_time_counts_cpu_work_and_not_sleep():
     assert idle.host_ms < busy.host_ms / 2
 
 
-@pytest.mark.parametrize(("given", "expected"), [(None, "1"), ("0", "0")])
-def test_bench_tears_cupti_down_after_each_profile_unless_told_otherwise(given, expected):
+@pytest.mark.parametrize(
+    ("cuda", "safe"),
+    [(None, False), ("", False), ("11.8", False), ("12.4", False), ("12.6", True), ("13.0", True)],
+)
+def test_cupti_teardown_only_where_cuda_graphs_survive_it(cuda, safe):
+    assert bench.cupti_teardown_safe(cuda) is safe
+
+
+@pytest.mark.parametrize("given", [None, "0"])
+def test_bench_tears_cupti_down_after_each_profile_unless_told_otherwise(given):
     # Note [No profiler left behind] (bench/__init__.py): set before any profile runs.
     env = {k: v for k, v in os.environ.items() if k != "TEARDOWN_CUPTI"}
     if given is not None:
         env["TEARDOWN_CUPTI"] = given
-    code = "import os, bench.run; print(os.environ['TEARDOWN_CUPTI'])"
+    code = "import os, bench.run; print(os.environ.get('TEARDOWN_CUPTI'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+    if given is not None:
+        expected = given
+    else:
+        expected = "1" if bench.cupti_teardown_safe(torch.version.cuda) else "None"
     assert out.stdout.strip() == expected
 
 
