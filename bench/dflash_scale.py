@@ -227,7 +227,7 @@ def kernel_breakdown(step: Callable[[], None], on_gpu: bool) -> dict[str, Any] |
     if not on_gpu:
         return None
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
+    with limits.profile(activities) as prof:
         step()
         torch.cuda.synchronize()
     by_name: dict[str, float] = defaultdict(float)

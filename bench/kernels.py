@@ -203,7 +203,9 @@ def _gated_delta_layer(model: Any) -> Any:
 
 def attention_backend(forward: Any, batch: Any, model: Any = None) -> str:
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+
+    from bench.limits import profile
 
     implementation = None
     if model is not None:
@@ -213,7 +215,7 @@ def attention_backend(forward: Any, batch: Any, model: Any = None) -> str:
         # The profiler's own warnings (CUPTI, Kineto) say nothing about the target.
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with profile([ProfilerActivity.CPU]) as prof:
                 forward(batch)
         names = {event.key for event in prof.key_averages()}
     except Exception as exc:  # noqa: BLE001 - a name for a note, never a failure

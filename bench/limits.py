@@ -11,7 +11,7 @@ a device, per device, from the profiler's device activity (kineto/CUPTI): kernel
 overlap on two streams count once. Host time is the CPU time of every
 thread of the process (Linux /proc), idle lane workers' polling included, so it is an
 upper bound on what the stage's Python cost. Without a GPU, gpu_busy_ms is None. A
-profiled window leaves no cost on later ones (Note [No profiler left behind], bench/__init__.py).
+profiled window leaves no cost on later ones (Note [No profiler left behind]).
 """
 
 from __future__ import annotations
@@ -24,6 +24,35 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+# Note [No profiler left behind]: once a profiled window ends, Kineto keeps CUPTI's
+# callbacks on every CUDA call of the process unless told to tear CUPTI down. Every
+# unprofiled figure measured after the first profiled one then carries that cost: on the
+# H200 (2026-12-01), the launch-bound pipeline's lane workers went from 0.6 and 1.0 ms to
+# 2.2 ms of CPU per step after one profiled window, and not with teardown. Kineto reads
+# TEARDOWN_CUPTI when each trace stops, and re-initializes CUPTI lazily for the next one.
+# Every profile of the bench starts in profile(), which sets it first; a user's own
+# setting wins.
+
+
+def cupti_teardown_safe(cuda: str | None) -> bool:
+    """Whether Kineto may tear CUPTI down after each profile of a process that replays
+    CUDA graphs: from CUDA 12.6 on. Before it, re-initializing CUPTI after a teardown
+    crashed with graphs, and torch's profiler turns teardown off there itself."""
+    try:
+        major, minor = (int(part) for part in (cuda or "").split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (12, 6)
+
+
+def profile(activities: list[Any]) -> torch.profiler.profile:
+    """torch.profiler.profile(activities=activities), leaving no cost behind on the
+    process's later CUDA calls (Note [No profiler left behind])."""
+    if cupti_teardown_safe(torch.version.cuda):
+        os.environ.setdefault("TEARDOWN_CUPTI", "1")
+    return torch.profiler.profile(activities=activities)
+
 
 # A device's dense bf16 matrix rate, FLOP/s, by the name torch reports; the MFU
 # denominator. H100/H200 SXM: 989 TFLOP/s dense bf16 (NVIDIA's datasheet).
@@ -124,7 +153,7 @@ def measure(fn: Callable[[], Any], *, reps: int, warmup: int = 1, sync: bool = T
         wall, cpu = time.perf_counter() - t0, thread_cpu_seconds() - cpu0
         return Cost(wall * 1e3 / reps, None, cpu * 1e3 / reps, {})
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
+    with profile(activities) as prof:
         cpu0, t0 = thread_cpu_seconds(), time.perf_counter()
         for _ in range(reps):
             call()

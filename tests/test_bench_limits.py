@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-import bench
 from bench import limits
 
 
@@ -39,23 +36,18 @@ def test_host_time_counts_cpu_work_and_not_sleep():
     [(None, False), ("", False), ("11.8", False), ("12.4", False), ("12.6", True), ("13.0", True)],
 )
 def test_cupti_teardown_only_where_cuda_graphs_survive_it(cuda, safe):
-    assert bench.cupti_teardown_safe(cuda) is safe
+    assert limits.cupti_teardown_safe(cuda) is safe
 
 
-@pytest.mark.parametrize("given", [None, "0"])
-def test_bench_tears_cupti_down_after_each_profile_unless_told_otherwise(given):
-    # Note [No profiler left behind] (bench/__init__.py): set before any profile runs.
-    env = {k: v for k, v in os.environ.items() if k != "TEARDOWN_CUPTI"}
+@pytest.mark.parametrize(("given", "expected"), [(None, "1"), ("0", "0")])
+def test_a_profile_tears_cupti_down_after_it_unless_told_otherwise(monkeypatch, given, expected):
+    # Note [No profiler left behind] (bench/limits.py): set before a profile starts.
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
     if given is not None:
-        env["TEARDOWN_CUPTI"] = given
-    code = "import os, bench.run; print(os.environ.get('TEARDOWN_CUPTI'))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    if given is not None:
-        expected = given
-    else:
-        expected = "1" if bench.cupti_teardown_safe(torch.version.cuda) else "None"
-    assert out.stdout.strip() == expected
+        monkeypatch.setenv("TEARDOWN_CUPTI", given)
+    limits.profile([torch.profiler.ProfilerActivity.CPU])
+    assert os.environ.get("TEARDOWN_CUPTI") == expected
 
 
 def test_flop_count_of_a_matmul():
