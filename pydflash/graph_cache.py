@@ -232,8 +232,7 @@ class LaneGraphCache:
             entry._events.append((start, end))
         else:
             entry.graph.replay()
-        with self.owner._lock:
-            self.replays += 1
+        self.replayed()
 
     def ready(self, key: Hashable) -> GraphEntry | None:
         """The graph cached for `key` when replaying it needs no decision first: captured,
@@ -250,7 +249,8 @@ class LaneGraphCache:
             return entry
 
     def replayed(self) -> None:
-        """Counts a replay launched elsewhere (see `ready`). Any thread."""
+        """Counts a replay: replay()'s own, or one launched elsewhere (see `ready`). Any
+        thread."""
         with self.owner._lock:
             self.replays += 1
 

@@ -272,9 +272,10 @@ class TargetGraphs(TargetStage):
         return entry
 
     def replayed_natively(self, lane: Lane, entry: Any, b: int, t: int) -> None:
-        """Counts a replay of `entry` that a stream program launched."""
+        """Counts a replay of `entry`, whose label is its bucket, that a stream program
+        launched."""
         self._cache.lane(lane).replayed()
-        bucket = entry.data.bucket
+        bucket = entry.label
         self._padding.add(b * t, bucket.batch * bucket.length)
 
     # --- on the lane's worker ----------------------------------------------------------------
