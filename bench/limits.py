@@ -51,7 +51,9 @@ def profile(activities: list[Any]) -> torch.profiler.profile:
     process's later CUDA calls (Note [No profiler left behind])."""
     if cupti_teardown_safe(torch.version.cuda):
         os.environ.setdefault("TEARDOWN_CUPTI", "1")
-    return torch.profiler.profile(activities=activities)
+    # One cycle per profile: acc_events=True keeps torch (2.11 on) from warning that a
+    # profiler object prepared again "clears events at the end of each cycle".
+    return torch.profiler.profile(activities=activities, acc_events=True)
 
 
 # A device's dense bf16 matrix rate, FLOP/s, by the name torch reports; the MFU
