@@ -388,7 +388,7 @@ def main() -> None:
     if args.command == "cold":
         print(json.dumps(_cold_child(args.mode, args.lanes, args.kernels, args.configs)))
         return
-    from pydflash.devices import visible_gpus
+    from pydflash.lanes.devices import visible_gpus
 
     ctx = Context(
         quick=args.quick, gpus=visible_gpus(), progress=lambda s: print(f"... {s}", file=sys.stderr)

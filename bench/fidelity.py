@@ -369,7 +369,7 @@ def measure(target: Target, lanes: list | None = None, diagnose: bool = False) -
     """The comparisons of the module's docstring for one target; `lanes` (two or more
     GPU lanes of the target's device) run TargetGraphs, else a Dispatcher is made."""
     from pydflash import Dispatcher, TargetGraphs
-    from pydflash.pipeline import EagerTarget
+    from pydflash.pipeline.stages import EagerTarget
 
     forward, batch = target.forward, target.batch
     t = batch["input_ids"].shape[1]

@@ -82,7 +82,7 @@ def measure(
     from torch.nn.parallel import parallel_apply
 
     import pydflash
-    from pydflash import graphs
+    from pydflash.graphs import lane_graph as graphs
     from pydflash.trace import recording
 
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")

@@ -44,8 +44,8 @@ from examples.dflash.loops import (
 )
 from examples.dflash.models import TINY_DRAFTER, DrafterConfig
 from pydflash import Dispatcher, TargetGraphs
-from pydflash.stages import EagerDrafter, EagerTarget
-from pydflash.stages.drafter_graphs import DrafterGraphs
+from pydflash.pipeline.stages import EagerDrafter, EagerTarget
+from pydflash.pipeline.stages.drafter_graphs import DrafterGraphs
 
 SECTION = "pipeline"
 ACCUMULATE = 6

@@ -70,7 +70,7 @@ from examples.dflash.loops import (
 )
 from examples.dflash.models import TINY_DRAFTER, DrafterConfig
 from pydflash import Dispatcher, TargetGraphs
-from pydflash.stages import EagerTarget
+from pydflash.pipeline.stages import EagerTarget
 
 SECTION = "real_target"
 ROOT = Path(__file__).resolve().parents[1]

@@ -64,7 +64,7 @@ from examples.dflash.loops import (
 )
 from examples.dflash.models import TINY_DRAFTER, DrafterConfig
 from pydflash import Dispatcher, TargetGraphs
-from pydflash.stages import EagerTarget
+from pydflash.pipeline.stages import EagerTarget
 
 SECTION = "scale_out"
 ROOT = Path(__file__).resolve().parents[1]

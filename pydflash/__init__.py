@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from ._future import Future
 from ._native import C as _C
 from ._version import __version__
-from .dispatcher import Dispatcher
 from .errors import (
     CompileQueueTimeout,
     CudaError,
@@ -21,8 +19,10 @@ from .errors import (
 )
 from .guards import guard_triton, install_guards, remove_guards, unguard_triton
 from .info import build_info
-from .lane import Lane
-from .waiting import wait_all
+from .lanes._future import Future
+from .lanes.dispatcher import Dispatcher
+from .lanes.lane import Lane
+from .lanes.waiting import wait_all
 
 
 def __getattr__(name: str):
@@ -33,11 +33,11 @@ def __getattr__(name: str):
 
         return Pipeline
     if name == "TargetGraphs":
-        from .target_graphs import TargetGraphs
+        from .pipeline.stages.target_graphs import TargetGraphs
 
         return TargetGraphs
     if name == "DrafterGraphs":
-        from .stages.drafter_graphs import DrafterGraphs
+        from .pipeline.stages.drafter_graphs import DrafterGraphs
 
         return DrafterGraphs
     raise AttributeError(f"module 'pydflash' has no attribute {name!r}")

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .lane import Lane
+    from .lanes.lane import Lane
 
 
 def counted(value: Any, name: str, *, minimum: int = 1) -> int:
@@ -21,7 +21,7 @@ def counted(value: Any, name: str, *, minimum: int = 1) -> int:
 
 def lanes_of(lanes: Any, name: str) -> list[Lane]:
     """`lanes` (one pydflash Lane or an iterable of them, at least one) as a list."""
-    from .lane import Lane
+    from .lanes.lane import Lane
 
     if isinstance(lanes, Lane):
         lanes = [lanes]

@@ -47,7 +47,7 @@ class GraphFallbackWarning(UserWarning):
 class PipelineError(PydflashError, RuntimeError):
     """A pipeline stage failed; the message names the stage, microbatch and lane, and
     the original exception is the `__cause__`. `stage` is 'data', 'target', 'transfer',
-    'drafter', 'reduce' or 'optimizer' (pydflash._failures.STAGES); it, `microbatch` and
+    'drafter', 'reduce' or 'optimizer' (pydflash.pipeline._failures.STAGES); it, `microbatch` and
     `lane` (a lane label) are None where they do not apply."""
 
     def __init__(

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from .lane import Lane
+from .lanes.lane import Lane
 
 HOST_TID, GPU_TID = 1, 2
 QUEUE_CATEGORY = "queue"

@@ -1,5 +1,5 @@
 """DrafterGraphs: the padding contract, the static gradients, the step, fallbacks and
-eviction (pydflash/stages/drafter_graphs.py).
+eviction (pydflash/pipeline/stages/drafter_graphs.py).
 
 The CPU tests run the padded path eagerly on CPU lanes (there are no graphs on CPU): a
 padded microbatch must give the loss and gradients of the unpadded one. The bookkeeping
@@ -16,10 +16,12 @@ import torch
 import torch.nn.functional as F
 
 import pydflash
-from pydflash import GraphFallbackWarning, GraphMemoryError, graph_cache, graphs
-from pydflash.stages import EagerDrafter
-from pydflash.stages import drafter_graphs as dg
-from pydflash.stages.drafter_graphs import DrafterGraphs
+from pydflash import GraphFallbackWarning, GraphMemoryError
+from pydflash.graphs import cache as graph_cache
+from pydflash.graphs import lane_graph as graphs
+from pydflash.pipeline.stages import EagerDrafter
+from pydflash.pipeline.stages import drafter_graphs as dg
+from pydflash.pipeline.stages.drafter_graphs import DrafterGraphs
 
 VOCAB, WIDTH = 11, 8
 

@@ -1,11 +1,11 @@
-"""What a pipeline has in flight (pydflash/_flight.py): the window of at most `depth`
+"""What a pipeline has in flight (pydflash/pipeline/_flight.py): the window of at most `depth`
 microbatches, the hidden-byte ledger and a step's optimizer tasks."""
 
 from __future__ import annotations
 
 import pytest
 
-from pydflash._flight import FlightWindow, HiddenBytes, StepTasks
+from pydflash.pipeline._flight import FlightWindow, HiddenBytes, StepTasks
 
 
 def test_the_window_holds_at_most_depth_consecutive_microbatches():

@@ -1,4 +1,4 @@
-"""The graph cache (pydflash/graph_cache.py) and the one capture routine under it
+"""The graph cache (pydflash/graphs/cache.py) and the one capture routine under it
 (pydflash.graphs.capture_graph), on CPU: the CUDA calls a capture makes are stood in for
 by fakes that keep torch's bookkeeping (a pool's use count, the allocator's recordings),
 so a failure can be injected at each point of a capture."""
@@ -13,8 +13,11 @@ import time
 import pytest
 
 import pydflash
-from pydflash import GraphFallbackWarning, GraphMemoryError, _cuda_capture, graph_cache, graphs
-from pydflash.graph_cache import BUSY_RETRIES, GraphCache
+from pydflash import GraphFallbackWarning, GraphMemoryError
+from pydflash.graphs import _cuda_capture
+from pydflash.graphs import cache as graph_cache
+from pydflash.graphs import lane_graph as graphs
+from pydflash.graphs.cache import BUSY_RETRIES, GraphCache
 
 REAL_QUIET = _cuda_capture.device_quiet
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import pydflash
-from pydflash import GraphCaptureError, graph_exec, graphs
+from pydflash import GraphCaptureError
+from pydflash.graphs import lane_graph as graphs
+from pydflash.lanes import graph_exec
 
 needs_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or pydflash._C.device_count() == 0,

@@ -1,4 +1,4 @@
-"""pydflash.handoff on any machine: the walk over a result's tensors, and a handoff
+"""pydflash.lanes.handoff on any machine: the walk over a result's tensors, and a handoff
 between CPU lanes (tests/test_cuda.py and tests/test_pipeline.py hand off on GPUs)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pydflash
-from pydflash.handoff import hand_to_lane, map_tensors, tensors
+from pydflash.lanes.handoff import hand_to_lane, map_tensors, tensors
 
 Pair = collections.namedtuple("Pair", "first second")
 

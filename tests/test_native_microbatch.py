@@ -1,4 +1,4 @@
-"""Microbatches as stream programs (pydflash/native_microbatch.py, Lane.submit_program).
+"""Microbatches as stream programs (pydflash/pipeline/native_microbatch.py, Lane.submit_program).
 
 On CPU: the ops a padded copy is made of, run by a host interpreter of the op list,
 write what `copy_padded` writes; malformed programs are refused with typed errors; and
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import pydflash
-from pydflash import native_microbatch as nm
-from pydflash.buckets import copy_padded
-from pydflash.native_microbatch import NativeMicrobatches, copy_padded_ops, row_pitch
-from pydflash.stages import EagerDrafter
-from pydflash.stages.drafter_graphs import DrafterGraphs
+from pydflash.graphs.buckets import copy_padded
+from pydflash.pipeline import native_microbatch as nm
+from pydflash.pipeline.native_microbatch import NativeMicrobatches, copy_padded_ops, row_pitch
+from pydflash.pipeline.stages import EagerDrafter
+from pydflash.pipeline.stages.drafter_graphs import DrafterGraphs
 from tests.test_drafter_graphs import WIDTH, Toy, masked_loss, microbatches
 
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import pydflash
-from pydflash import pipeline as pipeline_module
-from pydflash._failures import STAGES
 from pydflash.errors import PipelineError
 from pydflash.pipeline import Pipeline, StepResult
-from pydflash.stages import GraphTarget, TargetStage
-from pydflash.stages import drafter as drafter_module
+from pydflash.pipeline import scheduler as pipeline_module
+from pydflash.pipeline._failures import STAGES
+from pydflash.pipeline.stages import GraphTarget, TargetStage
+from pydflash.pipeline.stages import drafter as drafter_module
 
 WAIT_S = 30.0  # bound on waits that must end well before it; only a bug reaches it
 _INIT_LOCK = threading.Lock()  # module init draws from torch's global RNG

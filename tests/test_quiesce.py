@@ -1,4 +1,4 @@
-"""pydflash.quiesce.device_quiet on CPU lanes, whose device is "cpu": the real mechanism,
+"""pydflash.lanes.quiesce.device_quiet on CPU lanes, whose device is "cpu": the real mechanism,
 with threads that overlap (tasks meet on barriers, many rounds). Lanes on other devices
 and graph launches are covered natively (tests/native/test_device_quiet.cpp)."""
 
@@ -13,7 +13,7 @@ import time
 import pytest
 
 import pydflash
-from pydflash.quiesce import device_quiet
+from pydflash.lanes.quiesce import device_quiet
 
 ROUNDS = 30
 WAIT_S = 10  # what a test waits for at most where it expects no wait at all
@@ -403,7 +403,7 @@ def test_a_forked_child_does_not_inherit_a_quiet(run_child_script):
 def test_gpu_graph_launches_of_another_lane_wait_while_quiet():
     import torch
 
-    from pydflash import graphs
+    from pydflash.graphs import lane_graph as graphs
 
     with pydflash.Dispatcher([0, 0], guard=()) as d:
         capturer, other = d.lanes

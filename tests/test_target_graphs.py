@@ -1,4 +1,5 @@
-"""TargetGraphs: bucketing, padding, fallbacks and the output ring (pydflash/target_graphs.py).
+"""TargetGraphs: bucketing, padding, fallbacks and the output ring
+(pydflash/pipeline/stages/target_graphs.py).
 
 The CPU tests run the bucketed path eagerly on CPU lanes; the GPU tests capture graphs."""
 
@@ -12,7 +13,7 @@ import torch
 
 import pydflash
 from pydflash import GraphFallbackWarning, GraphMemoryError, TargetGraphs
-from pydflash.buckets import Bucket, batch_shape, choose_bucket, ladder
+from pydflash.graphs.buckets import Bucket, batch_shape, choose_bucket, ladder
 
 
 class CausalToy(torch.nn.Module):
@@ -217,7 +218,7 @@ def test_target_graphs_is_not_a_captured_graph():
     for a captured graph's."""
     assert not hasattr(TargetGraphs, "run")
     with pytest.raises(TypeError, match="captured graph with a run"):
-        pydflash.stages.GraphTarget(TargetGraphs(lambda batch: batch))
+        pydflash.pipeline.stages.GraphTarget(TargetGraphs(lambda batch: batch))
 
 
 def test_warmup_runs_every_length_bucket_at_the_example_batch(cpu_lane):

@@ -1,6 +1,6 @@
 // The native half of a pydflash future: its state machine, the wait, and the error a
 // task that ran without the interpreter left behind. Results of Python tasks live
-// in the Python object (pydflash/_future.py); see Note [Observed futures].
+// in the Python object (pydflash/lanes/_future.py); see Note [Observed futures].
 #pragma once
 
 #include <atomic>

@@ -1,5 +1,5 @@
 // A stream program: a short list of copies, fills, graph launches and waits that a lane
-// worker issues on its stream without the GIL. pydflash/native_microbatch.py builds one
+// worker issues on its stream without the GIL. pydflash/pipeline/native_microbatch.py builds one
 // per stage of a microbatch (Note [Native microbatch] there); csrc/python/tasks.cpp runs it.
 #pragma once
 

@@ -1,5 +1,5 @@
 // _C.Lane, _C.Submitter (the native submit) and _C.torch_state_reader: thin wrappers; the
-// Executor API is pydflash/lane.py.
+// Executor API is pydflash/lanes/lane.py.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

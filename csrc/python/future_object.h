@@ -1,4 +1,4 @@
-// _C.FutureBase: the C half of pydflash.Future (pydflash/_future.py subclasses it
+// _C.FutureBase: the C half of pydflash.Future (pydflash/lanes/_future.py subclasses it
 // together with concurrent.futures.Future). Creation, result() and done() run here
 // without Python frames: they sit on the dispatch hot path.
 #pragma once

@@ -108,7 +108,7 @@ class PythonTask final : public TaskBody {
     torch_.apply_grad_mode();
     if (torch_.special) {
       PyObject* call_in_state =
-          cached_attr(call_in_state_fn, "pydflash._torch_state", "call_in_state");
+          cached_attr(call_in_state_fn, "pydflash.lanes._torch_state", "call_in_state");
       PyObject* kwargs = kwargs_.is_none() ? PyDict_New() : kwargs_.inc_ref().ptr();
       PyObject* r = PyObject_CallFunctionObjArgs(call_in_state, torch_.special.ptr(), fn_.ptr(),
                                                  args_.ptr(), kwargs, nullptr);

@@ -137,7 +137,7 @@ struct TorchApi {
     return tls.found() ? tls.inference_mode_enabled() : call_bool(is_inference_mode_enabled);
   }
 
-  /// Autocast on for a device type that pydflash._torch_state carries (cpu, cuda).
+  /// Autocast on for a device type that pydflash.lanes._torch_state carries (cpu, cuda).
   bool any_autocast() const {
     if (tls.found())
       return tls.autocast_enabled(TorchTls::kCpu) || tls.autocast_enabled(TorchTls::kCuda);
@@ -187,7 +187,7 @@ TorchSnapshot TorchSnapshot::capture() {
   snap.captured = true;
   snap.grad = api->grad_enabled();
   if (api->inference_mode() || api->any_autocast()) {
-    PyObject* capture = cached_attr(capture_fn, "pydflash._torch_state", "capture");
+    PyObject* capture = cached_attr(capture_fn, "pydflash.lanes._torch_state", "capture");
     PyObject* state = PyObject_CallNoArgs(capture);
     if (state == nullptr) throw py::error_already_set();
     snap.special = py::reinterpret_steal<py::object>(state);
@@ -205,7 +205,7 @@ void TorchSnapshot::apply_grad_mode() const {
 // current and its compute stream is torch's current stream. Torch keeps both per
 // thread, and a native worker starts with neither, so the worker selects them:
 //  1. Once, at its first task after torch's import has completed (Note [Torch
-//     mid-import]), it calls pydflash/_lane_runtime.py's init_thread. That sets the
+//     mid-import]), it calls pydflash/lanes/_lane_runtime.py's init_thread. That sets the
 //     device, makes the lane's cudaStream_t current as a torch.cuda.ExternalStream, runs
 //     the hooks other parts register (the Triton guard's allocator), and returns the
 //     cheapest call that selects the stream again: torch._C._cuda_setStream and its
@@ -240,7 +240,8 @@ void LaneStreamSelection::select(const Lane& lane) {
   if (!torch_ready_) {
     if (TorchApi::get() == nullptr) return;
     // Step 1; a CPU lane gets None back, after the thread hooks have run.
-    PyObject* init_thread = cached_attr(init_thread_fn, "pydflash._lane_runtime", "init_thread");
+    PyObject* init_thread =
+        cached_attr(init_thread_fn, "pydflash.lanes._lane_runtime", "init_thread");
     PyObject* r = PyObject_CallFunction(init_thread, "iK", lane.device(),
                                         (unsigned long long)(uintptr_t)lane.stream());
     if (r == nullptr) throw py::error_already_set();

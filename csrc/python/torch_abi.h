@@ -17,7 +17,7 @@ struct TorchSnapshot {
   bool captured = false;  // torch was imported at submit
   bool grad = true;
   // Inference mode or autocast on: rare, so carried as a Python tuple and applied by
-  // pydflash._torch_state.call_in_state.
+  // pydflash.lanes._torch_state.call_in_state.
   pybind11::object special;
 
   /// Entered.

@@ -18,8 +18,8 @@ import torch
 
 from pydflash import Dispatcher, TargetGraphs
 from pydflash.pipeline import Pipeline
-from pydflash.stages import EagerTarget, TargetStage
-from pydflash.stages.drafter_graphs import DrafterGraphs
+from pydflash.pipeline.stages import EagerTarget, TargetStage
+from pydflash.pipeline.stages.drafter_graphs import DrafterGraphs
 
 from .data import MarkovTokens
 from .models import BlockDrafter, DrafterConfig, TargetConfig

@@ -8,7 +8,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from .._lane_runtime import register_thread_hook
+from ..lanes._lane_runtime import register_thread_hook
 from .checks import Checker
 from .patching import Change, Patch
 

@@ -16,7 +16,7 @@ import threading
 import time
 
 import pydflash
-from pydflash.quiesce import device_quiet
+from pydflash.lanes.quiesce import device_quiet
 
 ran = []
 

@@ -12,7 +12,7 @@ import threading
 import warnings
 
 import pydflash
-from pydflash.quiesce import device_quiet
+from pydflash.lanes.quiesce import device_quiet
 
 
 def hold(lane: pydflash.Lane, held: threading.Event, release: threading.Event) -> bool:

@@ -1,5 +1,5 @@
-"""The stages a `Pipeline` schedules: the target's (target.py) and the drafter's
-(drafter.py). A stage never imports the scheduler that runs it."""
+"""The stages a `Pipeline` schedules: the target's (target.py, target_graphs.py) and the
+drafter's (drafter.py, drafter_graphs.py). A stage never imports the scheduler that runs it."""
 
 from .drafter import DrafterStage, EagerDrafter
 from .target import EagerTarget, GraphTarget, TargetStage

@@ -12,9 +12,10 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import _exit, guards
+from .. import guards
+from .._native import C
+from . import _exit
 from ._future import Future
-from ._native import C
 from .devices import describe, parse_device, parse_devices
 from .lane import DEFAULT_SPIN_US, Lane, check_cancel_futures, check_spin_us
 
@@ -179,7 +180,7 @@ class Dispatcher(concurrent.futures.Executor):
     # --- stats and traces -------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {"lanes": [lane.stats() for lane in self._lanes]}
-        from . import compile_queue
+        from .. import compile_queue
 
         stats["compile_queue"] = compile_queue.stats()
         return stats
@@ -191,7 +192,7 @@ class Dispatcher(concurrent.futures.Executor):
     def export_trace(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Writes a Chrome/Perfetto trace JSON of the spans recorded so far to the file at
         `path` (a str or os.PathLike; an int file descriptor is refused) and returns it."""
-        from .trace import export
+        from ..trace import export
 
         return export(self._lanes, path)
 

@@ -15,7 +15,7 @@ import concurrent.futures._base as _base
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._native import C
+from .._native import C
 
 if TYPE_CHECKING:
     from .lane import Lane
@@ -108,7 +108,7 @@ class Future(C.FutureBase, concurrent.futures.Future):
         on, where torch issues its reads) wait for this task's GPU work
         without blocking the host, and marks the result's tensors as used on it so the
         caching allocator does not reuse their memory early (Note [Tensors across
-        streams] in pydflash/handoff.py). Returns the result. On CPU lanes: the result."""
+        streams] in pydflash/lanes/handoff.py). Returns the result. On CPU lanes: the result."""
         result = self.result()
         if self.event:
             from .handoff import hand_over

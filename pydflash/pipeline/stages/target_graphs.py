@@ -5,11 +5,11 @@
 
 A target forward launches hundreds of small kernels with the GIL held; replayed as a
 CUDA graph it is one launch. Real batches vary in length, so `TargetGraphs` pads each
-batch on the right to a bucket (pydflash/buckets.py, Note [Bucket padding] and Note
+batch on the right to a bucket (pydflash/graphs/buckets.py, Note [Bucket padding] and Note
 [Bucket ladder]), replays the graph captured for that bucket on that lane (capturing it on
-first use: pydflash/graph_cache.py), and returns the outputs cut back to the real shape,
-in a ring buffer (pydflash/output_ring.py, Note [Output ring]). The replay runs inside the
-lane task, not as a native launch (Note [Where a replay runs] in pydflash/graphs.py).
+first use: pydflash/graphs/cache.py), and returns the outputs cut back to the real shape,
+in a ring buffer (pydflash/graphs/output_ring.py, Note [Output ring]). The replay runs inside the
+lane task, not as a native launch (Note [Where a replay runs] in pydflash/graphs/lane_graph.py).
 
 Note [Shared graph pool]: a lane's graphs share one memory pool, so a later capture reuses
 the scratch memory of earlier ones. torch calls pool sharing safe for graphs that never
@@ -18,7 +18,7 @@ out on that stream before the next replay starts, so no graph's outputs are read
 another graph may have written over them. Captures of one bucket on several lanes take
 turns in the compile queue for their warm-up: the first lane compiles and autotunes alone,
 the others find warm caches. The capture itself pauses the device's other lanes (Note
-[Capturing beside other lanes] in pydflash/graphs.py).
+[Capturing beside other lanes] in pydflash/graphs/lane_graph.py).
 
 Note [When graphs pay]: a graph saves the host's launch time, nothing on the GPU. A
 forward that keeps the GPU busy without it (a 25 B target at 512 to 2048 tokens: 190 ms of
@@ -46,12 +46,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import graph_cache
-from ._checks import counted
-from ._future import Future
-from ._torch_state import match_intra_op_threads
-from ._tree import flatten, unflatten
-from .buckets import (
+from ..._checks import counted
+from ..._tree import flatten, unflatten
+from ...graphs import cache as graph_cache
+from ...graphs.buckets import (
     Bucket,
     PaddingTally,
     above_largest,
@@ -67,12 +65,14 @@ from .buckets import (
     resize,
     signature,
 )
-from .graph_cache import GraphCache
-from .graphs import DEFAULT_QUIET_TIMEOUT, DEFAULT_WARMUP
-from .handoff import tensors, to_lane
-from .lane import Lane
-from .output_ring import OutputRing
-from .stages import TargetStage
+from ...graphs.cache import GraphCache
+from ...graphs.lane_graph import DEFAULT_QUIET_TIMEOUT, DEFAULT_WARMUP
+from ...graphs.output_ring import OutputRing
+from ...lanes._future import Future
+from ...lanes._torch_state import match_intra_op_threads
+from ...lanes.handoff import tensors, to_lane
+from ...lanes.lane import Lane
+from . import TargetStage
 
 DEFAULT_RING = 4
 ON_FULL = graph_cache.ON_FULL
@@ -261,7 +261,7 @@ class TargetGraphs(TargetStage):
     def ready(self, lane: Lane, leaves: list[Any], spec: Any, b: int, t: int) -> Any:
         """The GraphEntry that would replay this [b, t] batch (its leaves and spec) on
         `lane`, when a stream program may launch it instead (Note [Native microbatch] in
-        pydflash/native_microbatch.py): captured, kept by the policy, replayed once here
+        pydflash/pipeline/native_microbatch.py): captured, kept by the policy, replayed once here
         (so its outputs' layout is known). None otherwise. Any thread."""
         bucket = choose_bucket(b, t, self.lengths, self.batch_sizes)
         if bucket is None:

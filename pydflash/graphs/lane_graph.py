@@ -2,11 +2,11 @@
 
 `lane.submit_graph(graph)` launches a torch.cuda.CUDAGraph (or a CapturedGraph) with
 `cudaGraphLaunch` on the lane stream from the native worker (the executable's handle
-comes from pydflash/graph_exec.py); its future completes when the GPU has run the
+comes from pydflash/lanes/graph_exec.py); its future completes when the GPU has run the
 graph. `capture(fn, example_inputs, lane)` records an inference forward (a frozen target
 model) on a lane, with static input and output buffers, and `CapturedGraph.run(*inputs)`
 replays it per microbatch. `capture_graph` is the one capture routine under it and under
-the graph caches (pydflash/graph_cache.py).
+the graph caches (pydflash/graphs/cache.py).
 
 Note [Native graph launch]: the worker launches `raw_cuda_graph_exec()` directly, so
 torch's `replay()` does not run. For inference graphs that changes nothing; a graph with
@@ -23,12 +23,12 @@ launch costs more than the microseconds `replay()` holds the GIL (which also kee
 generator offsets right, should a target draw random numbers).
 
 Note [Capturing beside other lanes]: `capture_graph` is the one capture routine (`capture`
-and pydflash/graph_cache.py call it from a task on the capturing lane).
+and pydflash/graphs/cache.py call it from a task on the capturing lane).
 - Warm-up runs eagerly beside the other lanes, compiling and autotuning under the Triton
   guard; with `turn`, one lane at a time per bucket in the compile queue (no turn is held
   afterwards).
 - capture_begin..capture_end runs while every other lane of the device is paused between
-  tasks (pydflash/quiesce.py; what that asks of the rest of the process: Note [Quiet
+  tasks (pydflash/lanes/quiesce.py; what that asks of the rest of the process: Note [Quiet
   device for capture] in csrc/core/device_quiet.h). "thread_local" capture mode does not
   make cuDNN's attention plans, cuBLAS workspaces or an autotuner's synchronize in another
   thread safe beside a capture (at head_dim 256, cuDNN's `mha_graph.execute` failed).
@@ -68,15 +68,21 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from .. import compile_queue
+from .._checks import counted
+from ..errors import GraphCaptureError
+from ..lanes.graph_exec import (
+    GraphWrapper,
+    check_lane,
+    native_launch_supported,
+    remember_device,
+    unwrap,
+)
 from . import _cuda_capture as _cuda
-from . import compile_queue
-from ._checks import counted
-from .errors import GraphCaptureError
-from .graph_exec import GraphWrapper, check_lane, native_launch_supported, remember_device, unwrap
 
 if TYPE_CHECKING:
-    from ._future import Future
-    from .lane import Lane
+    from ..lanes._future import Future
+    from ..lanes.lane import Lane
 
 #: Eager calls before a capture: the first compiles and autotunes, the second runs warm
 #: (and is the one timed for a policy that compares graph and eager).
@@ -477,6 +483,6 @@ def _replay(
 def _clone(outputs: Any) -> Any:
     import torch
 
-    from .handoff import map_tensors
+    from ..lanes.handoff import map_tensors
 
     return map_tensors(torch.Tensor.clone, outputs)

@@ -22,7 +22,7 @@ run, not just been queued: the caching allocator hands out memory when work is q
 so a host running ahead of the GPU would hold more than `depth` microbatches. Once both
 stages replay graphs for a microbatch's bucket, its two tasks are stream programs instead,
 in the same order and issued without Python on the workers (Note [Native microbatch] in
-pydflash/native_microbatch.py).
+pydflash/pipeline/native_microbatch.py).
 
 Determinism: with one drafter replica the drafter sees the same operations in the same
 order as a plain loop, so CPU losses match it exactly. Stages must not draw from torch's
@@ -41,14 +41,14 @@ from typing import Any
 
 import torch
 
-from ._checks import counted, lanes_of, per_lane
+from .._checks import counted, lanes_of, per_lane
+from ..errors import PipelineError
+from ..lanes._future import Future
+from ..lanes._torch_state import match_intra_op_threads
+from ..lanes.handoff import hand_to_lane, peer_access, tensors
+from ..lanes.lane import Lane
 from ._failures import Outstanding, failure_of, input_of, stage_error
 from ._flight import Flight, FlightWindow, HiddenBytes, StepTasks
-from ._future import Future
-from ._torch_state import match_intra_op_threads
-from .errors import PipelineError
-from .handoff import hand_to_lane, peer_access, tensors
-from .lane import Lane
 from .native_microbatch import NativeMicrobatches
 from .stages import DrafterStage, EagerDrafter, EagerTarget, TargetStage
 from .step_result import StepResult
@@ -131,7 +131,7 @@ class Pipeline:
             self._targets, self._target_lanes, self._drafter, self._drafter_lanes, self.depth
         )
         # Each replica's latest drafter future: a native target waits for it (Note
-        # [Native microbatch] in pydflash/native_microbatch.py).
+        # [Native microbatch] in pydflash/pipeline/native_microbatch.py).
         self._last_drafter: list[Future | None] = [None] * n_drafters
 
         self._cond = threading.Condition()
@@ -504,7 +504,7 @@ class Pipeline:
         """Counters and the hidden-state bytes held: now, at the peak, and the most one
         microbatch held (its target result, plus its copy on another device).
         "native_microbatches": those submitted as stream programs (Note [Native
-        microbatch] in pydflash/native_microbatch.py), which hold none of their own."""
+        microbatch] in pydflash/pipeline/native_microbatch.py), which hold none of their own."""
         with self._cond:
             return {
                 "steps": self._steps,

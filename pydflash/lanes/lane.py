@@ -7,8 +7,8 @@ import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._native import C
 from ._future import Future
-from ._native import C
 from .devices import CPU, describe
 from .graph_exec import graph_exec_handle
 
@@ -44,7 +44,7 @@ class Lane(concurrent.futures.Executor):
 
     Args:
         index: the lane's number in its dispatcher, as labels and traces show it.
-        device: a CUDA ordinal, or -1 (pydflash.devices.CPU) for a CPU lane.
+        device: a CUDA ordinal, or -1 (pydflash.lanes.devices.CPU) for a CPU lane.
         spin_us: how long the idle worker polls its queue before it sleeps (0: never).
     """
 
@@ -132,8 +132,8 @@ class Lane(concurrent.futures.Executor):
         self, ops: Sequence[tuple[int, ...]], keepalive: Any = None, after: Future | None = None
     ) -> Future:
         """Issues a stream program (copies, fills, graph launches, as
-        pydflash/native_microbatch.py builds them) on this GPU lane's stream from the native
-        worker, without the GIL. With `after`, it first waits for that future and fails
+        pydflash/pipeline/native_microbatch.py builds them) on this GPU lane's stream from the
+        native worker, without the GIL. With `after`, it first waits for that future and fails
         with InputFailedError, issuing nothing, when that one was cancelled or failed. The
         future completes once the ops are issued and carries an event after them, as a
         Python task's does; `keepalive` lives until the GPU has passed them. With no
@@ -187,11 +187,11 @@ class Lane(concurrent.futures.Executor):
         gpu) per task, where gpu is (begin ns, end ns) on the host clock, or None."""
         return self._native.take_trace()
 
-    # --- quiet device (pydflash/quiesce.py) --------------------------------------------
+    # --- quiet device (pydflash/lanes/quiesce.py) --------------------------------------------
     def hold_device_quiet(self, timeout: float | None) -> bool:
         """From a task on this lane: pauses every other lane of its device before its next
         task; True once all are paused, False if not within `timeout` seconds (then none
-        stays paused). Use pydflash.quiesce.device_quiet, which ends it."""
+        stays paused). Use pydflash.lanes.quiesce.device_quiet, which ends it."""
         return self._native.quiesce(timeout)
 
     def release_device_quiet(self) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .lane import Lane
+    from ..lanes.lane import Lane
 
 QUIET_ENV = "PYDFLASH_CAPTURE_QUIET"  # "0": captures do not pause the device's other lanes
 
@@ -65,11 +65,11 @@ def end_generator_capture() -> None:
 
 @contextlib.contextmanager
 def device_quiet(lane: Lane, timeout: float) -> Iterator[bool]:
-    """pydflash.quiesce.device_quiet, unless QUIET_ENV is "0" (then True at once)."""
+    """pydflash.lanes.quiesce.device_quiet, unless QUIET_ENV is "0" (then True at once)."""
     if os.environ.get(QUIET_ENV, "1") == "0":
         yield True
         return
-    from . import quiesce
+    from ..lanes import quiesce
 
     with quiesce.device_quiet(lane, timeout=timeout) as quiet:
         yield quiet

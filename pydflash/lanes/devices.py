@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from ._native import C
+from .._native import C
 
 CPU = -1
 _CUDA_RE = re.compile(r"^cuda(?::(\d+))?$")

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from .._checks import per_lane
+from ..._checks import per_lane
+from ...lanes.handoff import hand_to_lane
+from ...lanes.lane import Lane
 from .._failures import stage_error
-from ..handoff import hand_to_lane
-from ..lane import Lane
 
 #: Gradients of a replica's trainable parameters, in parameter order (None: no gradient).
 Gradients = list[torch.Tensor | None]
@@ -28,7 +28,7 @@ class DrafterStage:
     - `step` on every lane.
 
     `zero_grad` runs on every lane when a run starts. A failure raises: `reduce` and
-    `step` name their stage themselves (`pydflash._failures.stage_error`: 'reduce',
+    `step` name their stage themselves (`pydflash.pipeline._failures.stage_error`: 'reduce',
     'optimizer'); the pipeline reports a failure of `train` as the 'drafter' stage's."""
 
     #: The drafter lanes, one per replica, in replica order.

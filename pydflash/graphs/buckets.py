@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ._checks import counted
+from .._checks import counted
 
 DEFAULT_GRANULARITY = 4
 DEFAULT_MIN_LENGTH = 128

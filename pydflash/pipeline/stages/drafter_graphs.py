@@ -12,7 +12,7 @@ gradient buffers; once per step it replays a second graph: gradient clipping (wh
 for), the optimizer step and the zeroing of the gradients.
 
 Note [Padding contract]: a microbatch's inputs are padded on the right to their bucket
-(Note [Bucket padding] in pydflash/buckets.py), and the loss is called as
+(Note [Bucket padding] in pydflash/graphs/buckets.py), and the loss is called as
 `loss(drafter, inputs, lengths)`: `lengths` is an int64 tensor [Bb] on the lane's device
 holding each row's real length, T for the batch's B rows and 0 for padding rows. The
 loss must give the padded microbatch the loss and gradients of the unpadded one: it
@@ -30,7 +30,7 @@ flat buffers, and the step graph zeroes them. Never set them to None (`zero_grad
 a run re-installs them when it starts.
 
 Note [Capturing a training step]: graphs are captured, kept and dropped by the mechanism
-`TargetGraphs` uses (pydflash/graph_cache.py: one pool per lane, LRU `max_graphs`,
+`TargetGraphs` uses (pydflash/graphs/cache.py: one pool per lane, LRU `max_graphs`,
 `max_pool_bytes`, the "auto" policy, fallbacks; the capture itself is
 `pydflash.graphs.capture_graph`, which pauses the device's other lanes). A bucket's graph
 is captured the first time a microbatch of that bucket reaches a replica: `warmup`
@@ -68,10 +68,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .. import graph_cache
-from .._failures import stage_error
-from .._tree import flatten
-from ..buckets import (
+from ..._tree import flatten
+from ...graphs import cache as graph_cache
+from ...graphs.buckets import (
     Bucket,
     PaddingTally,
     above_largest,
@@ -84,10 +83,11 @@ from ..buckets import (
     pad_values,
     signature,
 )
-from ..graph_cache import GraphCache
-from ..graphs import DEFAULT_QUIET_TIMEOUT
-from ..handoff import hand_to_lane
-from ..lane import Lane
+from ...graphs.cache import GraphCache
+from ...graphs.lane_graph import DEFAULT_QUIET_TIMEOUT
+from ...lanes.handoff import hand_to_lane
+from ...lanes.lane import Lane
+from .._failures import stage_error
 from ._train_state import (
     all_reduce_mean,
     flat_gradients,
@@ -269,7 +269,7 @@ class DrafterGraphs(EagerDrafter):
     def ready(self, replica: int, spec: Any, sig: tuple, b: int, t: int) -> Any:
         """The GraphEntry that would train replica `replica` on [b, t] inputs of tree
         `spec` and signature `sig`, when a stream program may launch it instead (Note
-        [Native microbatch] in pydflash/native_microbatch.py): captured, kept by the
+        [Native microbatch] in pydflash/pipeline/native_microbatch.py): captured, kept by the
         policy, replayed once here. None otherwise. Any thread."""
         rep = self._replicas[replica]
         bucket = choose_bucket(b, t, self.lengths, self.batch_sizes)

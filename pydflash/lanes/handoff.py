@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from ._native import C
-from ._tree import map_tensors, tensors
+from .._native import C
+from .._tree import map_tensors, tensors
 
 __all__ = ["hand_over", "hand_to_lane", "map_tensors", "peer_access", "tensors", "to_lane"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from .errors import GraphCaptureError
+from ..errors import GraphCaptureError
 
 # The device each torch graph pydflash captured belongs to. A torch.cuda.CUDAGraph does
 # not say which device it was captured on, so one captured elsewhere is not checked.
@@ -74,7 +74,7 @@ def graph_exec_handle(graph: Any, lane: Any) -> tuple[int, Any]:
     or CapturedGraph, ValueError for a CPU lane or a graph of another device, and
     GraphCaptureError when the graph has no executable or torch has no raw handle
     (`pydflash.graphs.submit` then falls back to `replay()`). See Note [Native graph
-    launch] in pydflash/graphs.py."""
+    launch] in pydflash/graphs/lane_graph.py."""
     torch_graph, device = unwrap(graph)
     check_lane(lane, device)
     if not native_launch_supported(torch_graph):

@@ -11,7 +11,7 @@ csrc/python/tasks.cpp) instead of two Python tasks:
   filled; the target graph; a wait for the replica's previous drafter work; the outputs'
   real rows copied straight into the drafter graph's static inputs, padding filled;
 - on the drafter lane, after the target program: the real lengths written into the
-  drafter's `lengths` (Note [Padding contract] in pydflash/stages/drafter_graphs.py); the
+  drafter's `lengths` (Note [Padding contract] in pydflash/pipeline/stages/drafter_graphs.py); the
   drafter graph (forward, loss, backward into the static gradients); the loss copied out;
   the flight's event recorded.
 
@@ -33,14 +33,14 @@ from typing import Any
 
 import torch
 
-from ._future import Future
-from ._tree import flatten
-from .buckets import CUT_BATCH, CUT_BOTH, batch_shape
-from .errors import GraphCaptureError
-from .graph_exec import graph_exec_handle
-from .lane import Lane
+from .._tree import flatten
+from ..errors import GraphCaptureError
+from ..graphs.buckets import CUT_BATCH, CUT_BOTH, batch_shape
+from ..lanes._future import Future
+from ..lanes.graph_exec import graph_exec_handle
+from ..lanes.lane import Lane
 from .stages.drafter_graphs import DrafterGraphs
-from .target_graphs import TargetGraphs
+from .stages.target_graphs import TargetGraphs
 
 # Op kinds, as csrc/core/stream_program.h numbers them.
 COPY, FILL, FILL_I64, GRAPH, WAIT_INPUT, RECORD = range(6)
@@ -49,7 +49,7 @@ COPY, FILL, FILL_I64, GRAPH, WAIT_INPUT, RECORD = range(6)
 def copy_padded_ops(ops: list, dst: torch.Tensor, src: int, src_pitch: int, b: int, t: int) -> None:
     """Appends the ops that write a [b, t, ...] source (or a [b] one) at address `src`,
     rows `src_pitch` bytes apart, into the top-left corner of the contiguous `dst`, and
-    zeros everywhere else: copy_padded with a pad value of 0 (pydflash/buckets.py)."""
+    zeros everywhere else: copy_padded with a pad value of 0 (pydflash/graphs/buckets.py)."""
     base, size = dst.data_ptr(), dst.element_size()
     if dst.dim() >= 2:
         rows, length = dst.shape[0], dst.shape[1]

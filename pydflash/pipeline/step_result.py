@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from ._future import Future
+    from ..lanes._future import Future
 
 
 class StepResult:

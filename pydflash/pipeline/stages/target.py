@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from .._future import Future
-from .._torch_state import match_intra_op_threads
-from ..handoff import map_tensors, to_lane
-from ..lane import Lane
+from ...lanes._future import Future
+from ...lanes._torch_state import match_intra_op_threads
+from ...lanes.handoff import map_tensors, to_lane
+from ...lanes.lane import Lane
 
 
 class TargetStage:

@@ -9,7 +9,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._future import Future
+    from ..lanes._future import Future
 
 
 class Flight:

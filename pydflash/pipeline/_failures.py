@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import InputFailedError, PipelineError
+from ..errors import InputFailedError, PipelineError
 
 if TYPE_CHECKING:
-    from ._future import Future
-    from .lane import Lane
+    from ..lanes._future import Future
+    from ..lanes.lane import Lane
 
 #: The stages a PipelineError names (its `stage`), in the order a microbatch meets them.
 STAGES = ("data", "target", "transfer", "drafter", "reduce", "optimizer")

@@ -48,9 +48,9 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _cuda_capture, graphs
-from ._checks import counted
-from .errors import GraphFallbackWarning, GraphMemoryError
+from .._checks import counted
+from ..errors import GraphFallbackWarning, GraphMemoryError
+from . import _cuda_capture, lane_graph
 
 ON_FULL = ("eager", "raise")
 POLICIES = ("auto", "graphs", "eager")
@@ -96,7 +96,7 @@ class GraphCache:
 
     Args:
         name: names the stage in warnings and compile-queue keys.
-        warmup: eager calls before each capture (default `graphs.DEFAULT_WARMUP`).
+        warmup: eager calls before each capture (default `lane_graph.DEFAULT_WARMUP`).
         max_graphs: graphs kept per lane; beyond it the least recently used is dropped.
         max_pool_bytes: the most a lane's graph pool may hold after a capture.
         on_full: past max_pool_bytes, "eager" runs that key eagerly (with a warning),
@@ -112,13 +112,13 @@ class GraphCache:
         self,
         name: str,
         *,
-        warmup: int = graphs.DEFAULT_WARMUP,
+        warmup: int = lane_graph.DEFAULT_WARMUP,
         max_graphs: int | None = None,
         max_pool_bytes: int | None = None,
         on_full: str = "eager",
         policy: str = "auto",
         gpu_bound_ratio: float = DEFAULT_GPU_BOUND_RATIO,
-        quiet_timeout: float = graphs.DEFAULT_QUIET_TIMEOUT,
+        quiet_timeout: float = lane_graph.DEFAULT_QUIET_TIMEOUT,
     ) -> None:
         self.name = name
         self.warmup = counted(warmup, "warmup", minimum=0)
@@ -238,7 +238,7 @@ class LaneGraphCache:
         """The graph cached for `key` when replaying it needs no decision first: captured,
         and under policy "auto" its timed replays read and kept. Marks it most recently
         used. For a launch made elsewhere (a stream program, Note [Native microbatch] in
-        pydflash/native_microbatch.py), which counts itself with `replayed`. Any thread."""
+        pydflash/pipeline/native_microbatch.py), which counts itself with `replayed`. Any thread."""
         with self.owner._lock:
             entry = self.graphs.get(key)
             if entry is None or entry._events:
@@ -292,7 +292,7 @@ class LaneGraphCache:
         name = f"{owner.name} {label}"
         try:
             fn, data = make()
-            captured = graphs.capture_graph(
+            captured = lane_graph.capture_graph(
                 fn,
                 self.lane,
                 pool=pool,
@@ -329,7 +329,9 @@ class LaneGraphCache:
 
     def _capture_failed(self, key: Hashable, label: Any, exc: Exception) -> None:
         kind = getattr(exc, "kind", "capture failed")
-        detail = getattr(exc, "detail", None) or f"{type(exc).__name__}: {graphs.first_line(exc)}"
+        detail = (
+            getattr(exc, "detail", None) or f"{type(exc).__name__}: {lane_graph.first_line(exc)}"
+        )
         detail = f"{label} on {self.label}: {detail}"
         with self.owner._lock:
             if kind == "device busy":

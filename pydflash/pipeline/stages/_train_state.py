@@ -1,6 +1,6 @@
 """What a captured training step needs of the trained model and its optimizer: gradients
 in static buffers, an optimizer whose hyperparameters a graph reads from tensors, and the
-`lengths` input of Note [Padding contract] (pydflash/stages/drafter_graphs.py)."""
+`lengths` input of Note [Padding contract] (pydflash/pipeline/stages/drafter_graphs.py)."""
 
 from __future__ import annotations
 
