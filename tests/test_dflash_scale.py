@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench import dflash_scale
 from bench.common import Context
@@ -18,10 +19,14 @@ from examples.dflash.loops import Job, Placement
 from examples.dflash.models import (
     DFLASH_B16,
     TINY_TARGET,
+    BlockAttention,
     BlockDrafter,
     DrafterConfig,
     HybridTarget,
+    apply_rotary,
     drafter_parameters,
+    query_groups,
+    rotary,
 )
 
 SMALL = DrafterConfig(layers=2, heads=4, kv_heads=2, head_dim=16, block=4, anchors=6, group=2)
@@ -133,10 +138,78 @@ def test_grouped_block_attention_equals_one_group_over_all_blocks():
     features = target(ids)
     out = {}
     for group in (1, 2, 3, 6, 32):  # 6 and 32: one group of every block (the plain layout)
-        drafter.cfg = dataclasses.replace(SMALL, group=group)
+        drafter.cfg = dataclasses.replace(SMALL, group=group, context_copies=1e9)
+        assert query_groups(drafter.cfg, 6, 30) == 6 // group if group <= 6 else 1
         out[group] = drafter.predict(features, ids, anchors)
     for group in (1, 2, 3, 32):
         torch.testing.assert_close(out[group], out[6], rtol=1e-5, atol=1e-5)
+
+
+def test_query_groups_shrink_as_the_context_grows():
+    cfg = dataclasses.replace(DFLASH_B16, block=8, anchors=512)  # 16 groups of 32 blocks at most
+    assert [query_groups(cfg, 512, t) for t in (256, 550, 768, 4500, 8192, 32768)] == [
+        16,
+        8,  # 2 * 4096 / 550 = 14.9: the largest divisor of 16 within it
+        8,
+        1,
+        1,
+        1,
+    ]
+    assert query_groups(dataclasses.replace(cfg, context_copies=1e9), 512, 32768) == 16
+
+
+def _old_attention(attn, x, context, anchors, block):
+    """The drafter's attention as first written: every block against [context; every
+    block] with a boolean mask, through SDPA's math path, key/value heads repeated."""
+    batch, queries = x.shape[:2]
+    length = context.shape[1]
+    x_pos = (anchors[:, :, None] + torch.arange(block)).view(batch, -1)
+    x_rot = rotary(x_pos, attn.head_dim, x.dtype)
+    ctx_rot = rotary(torch.arange(length).expand(batch, -1), attn.head_dim, x.dtype)
+    q = attn.q_proj(x).view(batch, queries, attn.heads, attn.head_dim)
+    q = apply_rotary(attn.q_norm(q), *x_rot).transpose(1, 2)
+    k_ctx, v_ctx = attn._keys_values(context, ctx_rot)
+    k_x, v_x = attn._keys_values(x, x_rot)
+    rep = attn.heads // attn.kv_heads
+    k, v = (
+        torch.cat(pair, dim=1).transpose(1, 2).repeat_interleave(rep, dim=1)
+        for pair in ((k_ctx, k_x), (v_ctx, v_x))
+    )
+    query_anchor = anchors.repeat_interleave(block, dim=1)
+    sees_context = torch.arange(length) <= query_anchor[..., None]
+    block_of = torch.arange(queries) // block
+    same_block = (block_of[:, None] == block_of[None, :]).expand(batch, -1, -1)
+    mask = torch.cat([sees_context, same_block], dim=-1)[:, None]
+    with sdpa_kernel(SDPBackend.MATH):
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return attn.out_proj(o.transpose(1, 2).reshape(batch, queries, -1))
+
+
+@pytest.mark.parametrize("length", [9, 17, 30, 64])
+@pytest.mark.parametrize("copies", [1.0, 2.0, 1e9])  # from the plain layout to every group
+def test_block_attention_equals_the_plain_boolean_mask_forward_and_backward(length, copies):
+    cfg = dataclasses.replace(SMALL, anchors=4, context_copies=copies, group=1)
+    _, drafter = _drafter(cfg)
+    drafter.double()
+    torch.manual_seed(length)
+    batch = MarkovTokens(TINY_TARGET.vocab, length, 2, seed=length, anchors=4, block=4).batch(0)
+    ids, anchors = batch["input_ids"], batch["anchors"][:, :4]
+    features = torch.randn(2, length, drafter.fc.in_features, dtype=torch.float64)
+    grads = []
+    for old in (False, True):
+        attention = BlockAttention.forward
+        if old:
+
+            def attention(attn, x, context, layout):
+                return _old_attention(attn, x, context, anchors, cfg.block)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(BlockAttention, "forward", attention)
+            drafter.zero_grad()
+            loss = drafter(features, ids, anchors)
+            loss.backward()
+        grads.append([loss] + [p.grad.clone() for p in drafter.parameters() if p.requires_grad])
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-12)
 
 
 def test_drafter_loss_is_the_plain_weighted_cross_entropy():

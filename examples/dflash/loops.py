@@ -195,6 +195,7 @@ def sequential_steps(
             loss = drafter_loss(drafter, _to(out, placement.drafters[0]))
             (loss / job.accumulate).backward()
             losses.append(loss.detach())
+            del out, loss  # the features go before the next forward allocates
             k += 1
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -255,6 +256,7 @@ def executor_steps(
                 loss = drafter_loss(drafter, receive(out, done))
                 (loss / job.accumulate).backward()
                 losses.append(loss.detach())
+                del out, done, loss  # the features go before the next forward allocates
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             yield _floats(losses)

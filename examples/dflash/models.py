@@ -65,6 +65,9 @@ class DrafterConfig:
     kv_heads: int | None = None  # key/value heads (grouped-query attention); None: heads
     anchors: int | None = None  # anchors per sequence, given by the data; None: every block
     group: int = 32  # blocks per attention query group (Note [Grouped block attention])
+    # The grouped layout copies the context's keys once per group: at most this many times
+    # the blocks' own rows, else fewer, larger groups (Note [Grouped block attention]).
+    context_copies: float = 2.0
     loss_chunk: int = 1024  # rows per chunk of the fused head + cross entropy
 
     def __post_init__(self) -> None:
@@ -72,7 +75,7 @@ class DrafterConfig:
             raise ValueError(f"expected block >= 2 (an anchor and a prediction), got {self.block}")
         if self.heads % self.kv_heads_:
             raise ValueError(f"expected kv_heads dividing heads {self.heads}, got {self.kv_heads_}")
-        for name in ("layers", "group", "loss_chunk"):
+        for name in ("layers", "group", "loss_chunk", "context_copies"):
             if getattr(self, name) < 1:
                 raise ValueError(f"expected {name} >= 1, got {getattr(self, name)}")
         if self.anchors is not None and self.anchors < 1:
@@ -264,23 +267,73 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 @dataclass
 class BlockLayout:
     """What every drafter layer of one forward shares: the blocks' rotary tables, the
-    context's, and the attention mask of each query group (Note [Grouped block attention])."""
+    context's, and the additive attention mask of each query group (Note [Grouped block
+    attention])."""
 
     groups: int  # query groups per sequence
     x_rotary: tuple[torch.Tensor, torch.Tensor]
     context_rotary: tuple[torch.Tensor, torch.Tensor]
-    mask: torch.Tensor  # [B * groups, 1, group queries, context + group queries], bool
+    mask: torch.Tensor  # [B * groups, 1, group queries, context + group queries], 0 or -inf
 
 
 # Note [Grouped block attention]: a block's queries see the context up to the block's
 # anchor and the block itself. Attending from all n blocks to [context; all n blocks] with
 # a mask (the plain layout) spends most of the attention on keys every query masks out:
 # at 256 blocks of 16 after 768 tokens, 4096 + 768 keys per query of which at most 784
-# count. Here the queries go in groups of `group` blocks, each group attending to
-# [context; its own blocks] only: 768 + 512 keys at group 32, 3.8x less attention work
-# and memory, for a copy of the context's keys and values per group. The result is the
-# plain layout's (the keys a query sees are the same). The mask is a tensor built from
-# the anchors, with shapes fixed by the configuration: nothing syncs with the host.
+# count. Here the queries go in groups, each attending to [context; its own blocks] only:
+# 768 + 512 keys at 32 blocks a group, 3.8x less attention work and memory, for a copy of
+# the context's keys and values per group. The result is the plain layout's (the keys a
+# query sees are the same).
+#
+# Memory stays linear in the context: the copies are of the key/value heads only (SDPA's
+# grouped-query path, where a fused kernel takes it with a mask), and a long context gets
+# fewer groups, so that the copies are at most `context_copies` times the blocks' own rows
+# (one group, the plain layout, from a context of 2 x blocks' rows on). Grouping each of
+# 512 blocks of 8 after 32 k tokens 32 a group copied the context's keys and values 16
+# times at all 32 query heads: 8 GiB per tensor per layer, where the plain layout needs
+# 0.15 GiB. The mask is additive, in the queries' dtype, built once per forward and
+# shared by the layers (SDPA would convert a boolean one in every layer, and every
+# layer's backward would keep its copy), its rows padded to the 16 elements the fused
+# kernel's bias needs (else SDPA pads a copy per call). Its shapes follow the
+# configuration and the batch's shape: nothing syncs with the host.
+def query_groups(cfg: DrafterConfig, anchors: int, length: int) -> int:
+    """Query groups per sequence for `anchors` blocks after a `length`-token context: the
+    most that divide the blocks into groups of a multiple of gcd(anchors, cfg.group)
+    blocks while copying the context at most cfg.context_copies times the blocks' rows."""
+    most = anchors // math.gcd(anchors, cfg.group)
+    allowed = cfg.context_copies * anchors * cfg.block / length
+    return max(g for g in range(1, most + 1) if most % g == 0 and (g == 1 or g <= allowed))
+
+
+def block_mask(
+    anchors: torch.Tensor, block: int, length: int, groups: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The additive mask [B * groups, 1, group queries, length + group queries] of
+    Note [Grouped block attention]: query j of a group sees context key i when i <= its
+    block's anchor, and the keys of its own block."""
+    batch, n = anchors.shape
+    device = anchors.device
+    per_group = n // groups * block
+    keys = length + per_group
+    padded = -(-keys // 16) * 16
+    mask = torch.full((batch, groups, per_group, padded), float("-inf"), dtype=dtype, device=device)
+    query_anchor = anchors.repeat_interleave(block, dim=1).view(batch, groups, per_group, 1)
+    mask[..., :length].masked_fill_(torch.arange(length, device=device) <= query_anchor, 0.0)
+    block_of = torch.arange(per_group, device=device) // block
+    mask[..., length:keys].masked_fill_(block_of[:, None] == block_of[None, :], 0.0)
+    return mask.view(batch * groups, 1, per_group, padded)[..., :keys]
+
+
+def fused_grouped_query(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether SDPA runs grouped key/value heads with this mask without repeating them:
+    on the CPU always (its kernels index the shared heads), on CUDA where the
+    memory-efficient kernel admits them (torch's sdp_utils decides per version)."""
+    if not q.is_cuda or q.shape[1] == k.shape[1]:
+        return True
+    params = torch.backends.cuda.SDPAParams(q, k, k, mask, 0.0, False, True)
+    return torch.backends.cuda.can_use_efficient_attention(params)
+
+
 class BlockAttention(nn.Module):
     """Block tokens attend to context features (keys/values from the target's hidden
     states) and to their own block. `kv_heads` < `heads` shares each key/value head
@@ -303,7 +356,6 @@ class BlockAttention(nn.Module):
         batch, queries = x.shape[:2]
         g = layout.groups
         per_group = queries // g
-        rep = self.heads // self.kv_heads
         q = self.q_proj(x).view(batch, queries, self.heads, self.head_dim)
         q = apply_rotary(self.q_norm(q), *layout.x_rotary)
         q = q.view(batch * g, per_group, self.heads, self.head_dim).transpose(1, 2)
@@ -311,16 +363,22 @@ class BlockAttention(nn.Module):
         k_x, v_x = self._keys_values(x, layout.x_rotary)
 
         def grouped(ctx_part: torch.Tensor, x_part: torch.Tensor) -> torch.Tensor:
-            # [B, T, kv, D] and [B, n * block, kv, D] -> [B * g, heads, T + per_group, D]
-            shape = (batch, g, -1, self.kv_heads, rep, self.head_dim)
-            ctx_part = ctx_part[:, None, :, :, None].expand(shape)
-            x_part = x_part.view(batch, g, per_group, self.kv_heads, 1, self.head_dim)
-            both = torch.cat([ctx_part, x_part.expand(shape)], dim=2)
-            return both.view(batch * g, -1, self.heads, self.head_dim).transpose(1, 2)
+            # [B, T, kv, D] and [B, n * block, kv, D] -> [B * g, kv, T + per_group, D]
+            if g == 1:
+                return torch.cat([ctx_part, x_part], dim=1).transpose(1, 2)
+            ctx_part = ctx_part[:, None].expand(batch, g, -1, self.kv_heads, self.head_dim)
+            x_part = x_part.view(batch, g, per_group, self.kv_heads, self.head_dim)
+            both = torch.cat([ctx_part, x_part], dim=2)
+            return both.view(batch * g, -1, self.kv_heads, self.head_dim).transpose(1, 2)
 
-        o = F.scaled_dot_product_attention(
-            q, grouped(k_ctx, k_x), grouped(v_ctx, v_x), attn_mask=layout.mask
-        )
+        k, v = grouped(k_ctx, k_x), grouped(v_ctx, v_x)
+        gqa = self.heads != self.kv_heads
+        if gqa and not fused_grouped_query(q, k, layout.mask):
+            # Older kernels: repeat the heads rather than fall to the math path (scores).
+            rep = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            gqa = False
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, enable_gqa=gqa)
         o = o.transpose(1, 2).reshape(batch, queries, self.heads * self.head_dim)
         return self.out_proj(o)
 
@@ -386,22 +444,15 @@ class BlockDrafter(nn.Module):
         x = self.mask_embedding.to(context.dtype).expand(batch, n, block, -1).clone()
         x[:, :, 0] = self.embed(input_ids.gather(1, anchors)).to(context.dtype)
         x = x.reshape(batch, n * block, -1)
-        group = math.gcd(n, self.cfg.group)
-        g = n // group
         head_dim = self.cfg.head_dim
         x_positions = (anchors[:, :, None] + torch.arange(block, device=device)).view(batch, -1)
         context_positions = torch.arange(length, device=device).expand(batch, -1)
-        # Note [Grouped block attention]
-        query_anchor = anchors.repeat_interleave(block, dim=1).view(batch, g, group * block)
-        sees_context = torch.arange(length, device=device) <= query_anchor[..., None]
-        block_of = torch.arange(group * block, device=device) // block
-        same_block = (block_of[:, None] == block_of[None, :]).expand(batch, g, -1, -1)
-        mask = torch.cat([sees_context, same_block], dim=-1)
+        groups = query_groups(self.cfg, n, length)  # Note [Grouped block attention]
         layout = BlockLayout(
-            groups=g,
+            groups=groups,
             x_rotary=rotary(x_positions, head_dim, context.dtype),
             context_rotary=rotary(context_positions, head_dim, context.dtype),
-            mask=mask.view(batch * g, 1, group * block, -1),
+            mask=block_mask(anchors, block, length, groups, context.dtype),
         )
         for layer in self.layers:
             x = layer(x, context, layout)
