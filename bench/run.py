@@ -57,6 +57,7 @@ SECTIONS = {
     "real_target": 55,
     "scale_out": 30,
     "dflash_scale": 45,
+    "seed_workload": 10,  # the default run: the drafter alone at 2 x 32 k; --full: minutes
 }
 UNKNOWN_SECTION_S = 30  # a section without an estimate
 MODE_SCALE = {"quick": 1.0, "default": 1.0, "full": 5.0}  # before any section has ended

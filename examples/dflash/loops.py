@@ -97,9 +97,13 @@ def target_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
-def build_models(job: Job, placement: Placement, *, ddp: bool = False) -> Models:
+def build_models(
+    job: Job, placement: Placement, *, ddp: bool = False, target: torch.nn.Module | None = None
+) -> Models:
     """Fresh models from job.seed: the same weights on every call (for one placement:
-    random weights are drawn on the device the models are built on).
+    random weights are drawn on the device the models are built on). `target`: one
+    already built for this job, on the first target lane's device, taken as it is (a
+    second drafter against one large target).
 
     The target is built on the first target lane's device, in its dtype: a checkpoint
     loads once, at the size it runs at, and an 8 B target from a config is initialised
@@ -109,8 +113,9 @@ def build_models(job: Job, placement: Placement, *, ddp: bool = False) -> Models
     fused on a GPU; its frozen embedding and head match the target's precision."""
     first = placement.targets[0]
     torch.manual_seed(job.seed)
-    reference = job.target.build(target_dtype(first), device=first)
-    reference = reference.eval().requires_grad_(False)
+    if target is None:
+        target = job.target.build(target_dtype(first), device=first)
+    reference = target.eval().requires_grad_(False)
     torch.manual_seed(job.seed + 1)
     with torch.device(placement.drafters[0]):
         drafter = BlockDrafter(reference, job.drafter)

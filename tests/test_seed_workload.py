@@ -1,0 +1,120 @@
+"""bench.seed_workload: its length distributions, its FLOP count against torch's counter,
+the section's CPU path (the code the H200 runs, at tiny shapes), and on a GPU the long
+workload trained through the pipeline against the sequential loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+
+import pytest
+import torch
+
+from bench import limits, run, seed_workload
+from bench.seed_workload import Lengths, Options, Workload
+from examples.dflash.loops import (
+    Job,
+    PipelineLoop,
+    Placement,
+    build_models,
+    drafter_loss,
+    sequential_steps,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_length_distributions_are_the_stated_ones():
+    long, chat = Lengths("long", 1024, 8192), Lengths("chat", 320, 2048, 520)  # Workload.gpu's
+    for lengths, mean in ((long, 4640), (chat, 550)):
+        drawn = lengths.draw(4000, seed=1)
+        assert lengths.low <= min(drawn) and max(drawn) <= lengths.high
+        assert all(n % 64 == 0 for n in drawn)
+        assert statistics.mean(drawn) == pytest.approx(mean, rel=0.04)
+        assert lengths.draw(50, seed=1) == drawn[:50]
+    assert long.draw(50, seed=2) != long.draw(50, seed=1)
+
+
+def test_capture_layers_follow_the_recipe():
+    assert seed_workload.recipe_layers(64) == (5, 19, 33, 47, 61)
+    assert seed_workload.recipe_layers(16) == (1, 5, 8, 12, 15)
+
+
+@pytest.mark.parametrize("length", [24, 40, 96])
+def test_counted_drafter_flops_match_torch_s_counter(length):
+    """Note [Counted FLOPs]: the drafter's forward and backward from its shapes, against
+    torch.utils.flop_counter on the same call (matmuls and attention)."""
+    workload = Workload.cpu()
+    job = Job(workload.target, next(iter(workload.drafters.values())), length, 2, 1, 1e-3)
+    models = build_models(job, Placement(("cpu",), ("cpu",)))
+    batch = job.data(0).batch(0)
+    with torch.no_grad():
+        inputs = {**batch, "features": models.targets[0](batch["input_ids"])}
+    drafter = models.drafters[0]
+    counted = limits.count_flops(lambda: drafter_loss(drafter, inputs).backward())
+    assert seed_workload.drafter_flops(drafter, 2, length) == pytest.approx(counted, rel=0.02)
+    shape = seed_workload.target_shape(models.targets[0])
+    linear = 2 * 2 * length * shape[0]  # the target's linear layers, the bulk of its FLOPs
+    assert seed_workload.target_flops(shape, 2, length) > linear > 0
+
+
+def test_section_runs_every_row_on_cpu_and_writes_the_memory_plot(tmp_path):
+    options = Options(everything=True, b16=True, chat=True, out=str(tmp_path))
+    path = tmp_path / "r.json"
+    code = run.main(
+        ["--quick", "--sections", "seed_workload", "--json", str(path)],
+        options={"seed_workload": options},
+    )
+    assert code == 0
+    result = json.loads(path.read_text())
+    assert result["sections"]["seed_workload"]["status"] == "ok"
+    rows = {r["name"]: r for r in result["rows"]}
+    for what in (
+        "long, block 4, 8 anchors",
+        "long, block 8, 4 anchors",
+        "chat, block 8, 4 anchors",
+    ):
+        for loop in seed_workload.LOOPS:
+            row = rows[f"{what}: {loop}, samples/s"]
+            assert row["value"] > 0 and row["extra"]["tokens_per_s"] > row["value"]
+    for batch in (1, 2):
+        assert rows[f"bf16 target: largest length that fits at batch {batch}"]["value"] == 128
+    assert rows["drafter stage alone at 2 x 256, ms per step"]["value"] > 0
+    points = json.loads((tmp_path / "seed_memory_vs_length.json").read_text())["bf16"]
+    assert [(p["length"], p["batch"]) for p in points] == [
+        (n, b) for n in (32, 64, 128) for b in (1, 2)
+    ]
+    assert (tmp_path / "seed_memory_vs_length.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_long_workload_trains_through_the_pipeline_as_the_sequential_loop_on_a_gpu():
+    """The long workload at the 23 B target's width (8 of its 64 layers), block 8 with 512
+    anchors, lengths up to 16 k: the pipeline's losses are the sequential loop's."""
+    pytest.importorskip("transformers")
+    workload = Workload.gpu(layers=8)
+    drafter = workload.drafters["block 8, 512 anchors"]
+    job = Job(workload.target, drafter, 16384, batch=2, accumulate=2, lr=1e-4)
+    lengths = dataclasses.replace(workload.lengths["long"], high=16384)
+    batches = seed_workload.varied_batches(job, lengths, 3 * job.accumulate)
+    assert max(b["input_ids"].shape[1] for b in batches) > 8192
+    placement = Placement(("cuda:0",), ("cuda:0",))
+    losses = {}
+    for name in ("sequential", "pipeline"):
+        models = build_models(job, placement)
+        if name == "sequential":
+            steps = sequential_steps(models, placement, job, batches, 3)
+            losses[name] = [step() for step in steps]
+        else:
+            loop = PipelineLoop(models, placement, job, depth=2)
+            try:
+                losses[name] = [step() for step in loop.steps(batches, 3)]
+            finally:
+                loop.close()
+        del models
+        seed_workload.free()
+    assert all(torch.isfinite(torch.tensor(s)).all() for s in losses.values())
+    torch.testing.assert_close(losses["pipeline"], losses["sequential"], rtol=2e-3, atol=2e-3)
