@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bench import limits, run, seed_workload
+from bench.common import Context
 from bench.seed_workload import Lengths, Options, Workload
 from examples.dflash.loops import (
     Job,
@@ -60,7 +61,7 @@ def test_counted_drafter_flops_match_torch_s_counter(length):
 
 
 def test_section_runs_every_row_on_cpu_and_writes_the_memory_plot(tmp_path):
-    options = Options(everything=True, b16=True, chat=True, out=str(tmp_path))
+    options = Options(everything=True, lengths=(32, 128), b16=True, chat=False, out=str(tmp_path))
     path = tmp_path / "r.json"
     code = run.main(
         ["--quick", "--sections", "seed_workload", "--json", str(path)],
@@ -70,11 +71,8 @@ def test_section_runs_every_row_on_cpu_and_writes_the_memory_plot(tmp_path):
     result = json.loads(path.read_text())
     assert result["sections"]["seed_workload"]["status"] == "ok"
     rows = {r["name"]: r for r in result["rows"]}
-    for what in (
-        "long, block 4, 8 anchors",
-        "long, block 8, 4 anchors",
-        "chat, block 8, 4 anchors",
-    ):
+    assert not any(name.startswith("chat") for name in rows)
+    for what in ("long, block 4, 8 anchors", "long, block 8, 4 anchors"):
         for loop in seed_workload.LOOPS:
             row = rows[f"{what}: {loop}, samples/s"]
             assert row["value"] > 0 and row["extra"]["tokens_per_s"] > row["value"]
@@ -83,7 +81,7 @@ def test_section_runs_every_row_on_cpu_and_writes_the_memory_plot(tmp_path):
     assert rows["drafter stage alone at 2 x 256, ms per step"]["value"] > 0
     points = json.loads((tmp_path / "seed_memory_vs_length.json").read_text())["bf16"]
     assert [(p["length"], p["batch"]) for p in points] == [
-        (n, b) for n in (32, 64, 128) for b in (1, 2)
+        (n, b) for n in (32, 128) for b in (1, 2)
     ]
     assert (tmp_path / "seed_memory_vs_length.png").read_bytes()[:8] == PNG_MAGIC
 
@@ -118,3 +116,30 @@ def test_long_workload_trains_through_the_pipeline_as_the_sequential_loop_on_a_g
         seed_workload.free()
     assert all(torch.isfinite(torch.tensor(s)).all() for s in losses.values())
     torch.testing.assert_close(losses["pipeline"], losses["sequential"], rtol=2e-3, atol=2e-3)
+
+
+def test_an_out_of_memory_point_is_recorded_and_the_next_ones_still_run(monkeypatch):
+    workload = Workload.cpu()
+    job = Job(workload.target, next(iter(workload.drafters.values())), 64, 1, 1, 1e-3)
+    placement = Placement(("cpu",), ("cpu",))
+    ctx = Context(quick=True, gpus=0, progress=lambda message: None)
+    bench = seed_workload.Bench(ctx, build_models(job, placement), job, placement)
+    plain = seed_workload.loops.sequential_steps
+
+    def short_memory(models, placement, job, data, steps):
+        if job.seq == 64:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        yield from plain(models, placement, job, data, steps)
+
+    monkeypatch.setattr(seed_workload.loops, "sequential_steps", short_memory)
+    points = bench.memory((32, 64, 96), (1,))
+    assert [("oom" in p, "samples_per_s" in p) for p in points] == [
+        (False, True),
+        (True, False),
+        (False, True),
+    ]
+    assert points[1]["oom"].startswith("OutOfMemoryError: CUDA out of memory")
+    rows = seed_workload.memory_rows(points, "bf16 target", False, {})
+    fits = {r.name: r.value for r in rows}
+    assert fits["bf16 target: largest length that fits at batch 1"] == 96
+    assert fits["bf16 target: memory at 1 x 64"] is None
