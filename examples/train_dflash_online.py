@@ -98,6 +98,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="target layers whose outputs are the drafter's features (0-based)",
     )
     p.add_argument(
+        "--target-fp8",
+        action="store_true",
+        help="a Hugging Face target's decoder linear layers in FP8 e4m3 with row-wise scales "
+        "(examples/dflash/fp8.py; a GPU of compute capability 9.0 or later, emulated on a CPU)",
+    )
+    p.add_argument(
         "--target-graphs",
         action="store_true",
         help="replay the target forward as CUDA graphs (pydflash.TargetGraphs)",
@@ -140,6 +146,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 p.error(f"--{name} sizes the built-in target; a Hugging Face target has its own")
     if args.moe and not args.target_config:
         p.error("--moe applies to --target-config")
+    if args.target_fp8 and not (args.target_model or args.target_config):
+        p.error("--target-fp8 applies to a Hugging Face target: --target-config or --target-model")
     for flag in ("target_graphs", "drafter_graphs"):
         if getattr(args, flag) and args.mode != "pipeline":
             p.error(
@@ -159,9 +167,10 @@ def layer_list(text: str) -> tuple[int, ...]:
 def make_target(args: argparse.Namespace) -> dflash.models.TargetConfig | dflash.hf.HFTargetConfig:
     if args.target_model or args.target_config:
         try:
-            return dflash.hf.HFTargetConfig.load(
+            config = dflash.hf.HFTargetConfig.load(
                 args.target_model or args.target_config, args.target_layers, moe=args.moe
             )
+            return dataclasses.replace(config, fp8=args.target_fp8)
         except ModuleNotFoundError as exc:
             raise SystemExit(
                 f"a Hugging Face target needs {exc.name}: pip install 'pydflash[hf]'"

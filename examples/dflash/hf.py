@@ -3,10 +3,13 @@ never a download) or a Qwen3-Next or dense Qwen3 (Qwen3-8B's shapes) built from 
 with random weights.
 
 Its features are the outputs of chosen decoder layers, concatenated, as EAGLE-3 and
-DFlash drafters take them. Layer i's output is `hidden_states[i + 1]` of the model's
-`output_hidden_states` (entry 0 is the embedding); the last layer's comes after the
-final norm, as Hugging Face returns it. transformers' output capture keeps its
-collector in a ContextVar, so lanes may run one model's forward at once.
+DFlash drafters take them: layer i's output is what `hidden_states[i + 1]` of the
+model's `output_hidden_states` holds (entry 0 is the embedding); the last layer's comes
+after the final norm, as Hugging Face returns it. Only those outputs are kept, and the
+layers after the last one chosen do not run (Note [Capture layers only]).
+
+`HFTargetConfig(..., fp8=True)` runs the decoder layers' linear layers in FP8 (fp8.py);
+`fused=` swaps in fused elementwise modules (fused.py). Both are opt-in.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import dataclasses
 import functools
 import importlib.util
 import inspect
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +157,8 @@ class HFTargetConfig:
     source: str  # a checkpoint directory or a name in CONFIGS
     capture_layers: tuple[int, ...]
     config: Any = dataclasses.field(compare=False, repr=False)  # transformers' config
+    fp8: bool = False  # the decoder layers' linear layers in FP8 (fp8.to_fp8)
+    fp8_backend: str = "triton"  # fp8.BACKENDS: our fused quantization, or torchao's
 
     @classmethod
     def load(
@@ -193,10 +199,19 @@ class HFTargetConfig:
     def dim(self) -> int:
         return self.config.get_text_config().hidden_size
 
-    def build(self, dtype: torch.dtype = torch.float32, device: str = "cpu") -> HFTarget:
+    def build(
+        self,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        *,
+        fp8: bool | None = None,
+    ) -> HFTarget:
         """The model on `device` in eval mode with frozen weights: loaded from the
         checkpoint, or with random weights drawn from torch's generator (seed it first)
-        on `device` itself, in `dtype`, with no pass on the host."""
+        on `device` itself, in `dtype`, with no pass on the host. `fp8` (default: the
+        config's) quantizes the decoder layers' linear layers once, after the weights
+        are drawn (fp8.to_fp8); the embedding and the LM head, which the drafter
+        copies, stay in `dtype`."""
         from transformers import AutoModelForCausalLM
 
         _cpu_tensors_take_torch_kernels()
@@ -207,7 +222,12 @@ class HFTargetConfig:
             model = AutoModelForCausalLM.from_pretrained(
                 self.source, local_files_only=True, dtype=dtype
             ).to(device)
-        return HFTarget(model, self.capture_layers).eval().requires_grad_(False)
+        target = HFTarget(model, self.capture_layers).eval().requires_grad_(False)
+        if self.fp8 if fp8 is None else fp8:
+            from .fp8 import to_fp8
+
+            to_fp8(target.decoder_layers(), backend=self.fp8_backend)
+        return target
 
 
 def _cpu_tensors_take_torch_kernels() -> None:
@@ -236,16 +256,50 @@ def _cpu_tensors_take_torch_kernels() -> None:
         setattr(qwen3_next, name, routed)
 
 
+# Note [Capture layers only]: transformers' `output_hidden_states=True` keeps every
+# layer's output until the forward returns (65 of them at 64 layers, about 0.34 GB each
+# per 32k tokens at width 5120), and every layer runs, then the final norm. The drafter
+# needs the capture layers' outputs only. So a forward hook on each capture layer keeps
+# its output, and the last one's hook stops the forward by raising `_CapturedAll`, which
+# HFTarget.forward catches: the layers after it do not run and nothing else is kept.
+# The exception passes through transformers' forward, whose output capture resets its
+# ContextVar in a `finally`. When the model's last layer is a capture layer, the forward
+# runs to the end and that layer's feature is `last_hidden_state` (after the final norm,
+# as `hidden_states[-1]` is). The hooks' collector is per thread: lanes may run one
+# model's forward at once. The features equal `output_hidden_states`' bit for bit.
+class _CapturedAll(Exception):
+    """Raised by the last capture layer's hook: the rest of the forward is not needed."""
+
+
 class HFTarget(nn.Module):
     """forward(input_ids) -> the capture layers' outputs, concatenated:
-    [B, T, len(layers) * hidden]. The base model runs without its LM head: the drafter
-    needs the hidden states only."""
+    [B, T, len(layers) * hidden]. The base model runs without its LM head and stops after
+    the last capture layer (Note [Capture layers only])."""
 
     def __init__(self, model: nn.Module, layers: tuple[int, ...]) -> None:
         super().__init__()
         self.model = model
         self.layers = tuple(layers)
-        self.feature_dim = len(self.layers) * model.config.get_text_config().hidden_size
+        text_config = model.config.get_text_config()
+        self.feature_dim = len(self.layers) * text_config.hidden_size
+        self._collector = threading.local()
+        decoder = self.decoder_layers()
+        if decoder is None:  # not a decoder stack transformers' way: keep every output
+            self._stop_early = False
+            return
+        n = len(decoder)
+        self._takes_last_hidden_state = n - 1 in self.layers
+        self._stop_early = not self._takes_last_hidden_state
+        for i in self.layers:
+            if i == n - 1:
+                continue
+            last = self._stop_early and i == max(self.layers)
+            decoder[i].register_forward_hook(functools.partial(self._keep, i, last))
+
+    def decoder_layers(self) -> nn.ModuleList | None:
+        """The base model's decoder layers (`base_model.layers`), or None."""
+        layers = getattr(self.model.base_model, "layers", None)
+        return layers if isinstance(layers, nn.ModuleList) else None
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.get_input_embeddings()
@@ -253,6 +307,30 @@ class HFTarget(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return self.model.get_output_embeddings()
 
+    def _keep(self, index: int, last: bool, module: nn.Module, args: Any, output: Any) -> None:
+        kept = getattr(self._collector, "kept", None)
+        if kept is None:  # the model called directly, not through this forward
+            return
+        kept[index] = output[0] if isinstance(output, tuple) else output
+        if last:
+            raise _CapturedAll
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        out = self.model.base_model(input_ids=input_ids, use_cache=False, output_hidden_states=True)
-        return torch.cat([out.hidden_states[i + 1] for i in self.layers], dim=-1)
+        base = self.model.base_model
+        if self.decoder_layers() is None:
+            out = base(input_ids=input_ids, use_cache=False, output_hidden_states=True)
+            return torch.cat([out.hidden_states[i + 1] for i in self.layers], dim=-1)
+        kept: dict[int, torch.Tensor] = {}
+        self._collector.kept = kept
+        try:
+            out = base(input_ids=input_ids, use_cache=False)
+            if self._stop_early:
+                raise RuntimeError(
+                    f"the forward returned before capture layer {max(self.layers)} ran"
+                )
+            kept[len(self.decoder_layers()) - 1] = out.last_hidden_state
+        except _CapturedAll:
+            pass
+        finally:
+            self._collector.kept = None
+        return torch.cat([kept[i] for i in self.layers], dim=-1)
