@@ -10,6 +10,8 @@ target forward and the drafter's training overlapped on pydflash lanes.
     python examples/train_dflash_online.py --target-config qwen3-next-small --target-graphs \
         --drafter-graphs                                                    # both stages as graphs
     python examples/train_dflash_online.py --target-model ./my-checkpoint --target-layers 2,12,20
+    python examples/train_dflash_online.py --devices cuda:0 --target-config qwen3-next-large \
+        --target-fp8 --target-fused fla                                     # a cheaper target
     python examples/train_dflash_online.py --devices cuda:0 --target-config qwen3-8b \
         --target-layers 1,9,17,25,33 --drafter-config dflash-b16 --seq 768 --batch 2 --accumulate 8
 
@@ -104,6 +106,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(examples/dflash/fp8.py; a GPU of compute capability 9.0 or later, emulated on a CPU)",
     )
     p.add_argument(
+        "--target-fused",
+        type=fusion_list,
+        default=(),
+        metavar="F,G,...",
+        help="fused elementwise work in a Hugging Face Qwen3-Next target "
+        f"(examples/dflash/fused.py): {', '.join(dflash.fused.FUSIONS)}, fla (the first "
+        "three, flash-linear-attention's kernels) or all",
+    )
+    p.add_argument(
         "--target-graphs",
         action="store_true",
         help="replay the target forward as CUDA graphs (pydflash.TargetGraphs)",
@@ -146,8 +157,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 p.error(f"--{name} sizes the built-in target; a Hugging Face target has its own")
     if args.moe and not args.target_config:
         p.error("--moe applies to --target-config")
-    if args.target_fp8 and not (args.target_model or args.target_config):
-        p.error("--target-fp8 applies to a Hugging Face target: --target-config or --target-model")
+    for flag in ("target_fp8", "target_fused"):
+        if getattr(args, flag) and not (args.target_model or args.target_config):
+            p.error(
+                f"--{flag.replace('_', '-')} applies to a Hugging Face target: "
+                "--target-config or --target-model"
+            )
     for flag in ("target_graphs", "drafter_graphs"):
         if getattr(args, flag) and args.mode != "pipeline":
             p.error(
@@ -164,13 +179,20 @@ def layer_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def fusion_list(text: str) -> tuple[str, ...]:
+    try:
+        return dflash.fused.parse_fusions(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def make_target(args: argparse.Namespace) -> dflash.models.TargetConfig | dflash.hf.HFTargetConfig:
     if args.target_model or args.target_config:
         try:
             config = dflash.hf.HFTargetConfig.load(
                 args.target_model or args.target_config, args.target_layers, moe=args.moe
             )
-            return dataclasses.replace(config, fp8=args.target_fp8)
+            return dataclasses.replace(config, fp8=args.target_fp8, fused=args.target_fused)
         except ModuleNotFoundError as exc:
             raise SystemExit(
                 f"a Hugging Face target needs {exc.name}: pip install 'pydflash[hf]'"

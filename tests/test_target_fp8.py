@@ -5,6 +5,7 @@ interpreter (the mode is read when Triton is imported)."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 import threading
@@ -153,6 +154,16 @@ def test_capture_layers_only_forward_equals_all_hidden_states(layers):
     with torch.no_grad():  # the model called directly still runs whole, hooks idle
         model.model.model(input_ids=ids)
     assert ran == [0, 1, 2, 3]
+
+
+def test_capture_forward_deep_copies():
+    """The example copies the target to each further target device."""
+    torch.manual_seed(0)
+    model = HFTargetConfig.load(TINY, (0, 2)).build(fp8=True)
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, model.model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(twin(ids), model(ids))
 
 
 def test_capture_forward_from_threads_at_once():

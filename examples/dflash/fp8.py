@@ -138,6 +138,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             QMAX=FP8_MAX,
             BLOCK=block,
             ROUND_TO_GRID=interpreted,
+            num_warps=8 if block >= 4096 else 4,
         )
     return q, scale
 

@@ -9,7 +9,7 @@ after the final norm, as Hugging Face returns it. Only those outputs are kept, a
 layers after the last one chosen do not run (Note [Capture layers only]).
 
 `HFTargetConfig(..., fp8=True)` runs the decoder layers' linear layers in FP8 (fp8.py);
-`fused=` swaps in fused elementwise modules (fused.py). Both are opt-in.
+`fused=("norms", ...)` swaps in fused elementwise modules (fused.py). Both are opt-in.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .fp8 import to_fp8
+from .fused import fuse, parse_fusions
 
 
 def _scaled(hidden: int, layers: int) -> dict[str, int]:
@@ -159,6 +162,7 @@ class HFTargetConfig:
     config: Any = dataclasses.field(compare=False, repr=False)  # transformers' config
     fp8: bool = False  # the decoder layers' linear layers in FP8 (fp8.to_fp8)
     fp8_backend: str = "triton"  # fp8.BACKENDS: our fused quantization, or torchao's
+    fused: tuple[str, ...] = ()  # fused.FUSIONS to apply (fused.fuse)
 
     @classmethod
     def load(
@@ -205,13 +209,15 @@ class HFTargetConfig:
         device: str = "cpu",
         *,
         fp8: bool | None = None,
+        fused: tuple[str, ...] | None = None,
     ) -> HFTarget:
         """The model on `device` in eval mode with frozen weights: loaded from the
         checkpoint, or with random weights drawn from torch's generator (seed it first)
         on `device` itself, in `dtype`, with no pass on the host. `fp8` (default: the
         config's) quantizes the decoder layers' linear layers once, after the weights
         are drawn (fp8.to_fp8); the embedding and the LM head, which the drafter
-        copies, stay in `dtype`."""
+        copies, stay in `dtype`. `fused` (default: the config's) swaps in fused
+        elementwise modules (fused.fuse); layers compile after the FP8 swap."""
         from transformers import AutoModelForCausalLM
 
         _cpu_tensors_take_torch_kernels()
@@ -223,11 +229,13 @@ class HFTargetConfig:
                 self.source, local_files_only=True, dtype=dtype
             ).to(device)
         target = HFTarget(model, self.capture_layers).eval().requires_grad_(False)
+        fusions = parse_fusions(self.fused if fused is None else fused)
+        fuse(target, [f for f in fusions if f != "compile"])
         if self.fp8 if fp8 is None else fp8:
-            from .fp8 import to_fp8
-
             to_fp8(target.decoder_layers(), backend=self.fp8_backend)
-        return target
+        if "compile" in fusions:
+            fuse(target, ["compile"])
+        return target.requires_grad_(False)
 
 
 def _cpu_tensors_take_torch_kernels() -> None:
@@ -271,6 +279,11 @@ class _CapturedAll(Exception):
     """Raised by the last capture layer's hook: the rest of the forward is not needed."""
 
 
+# (the HFTarget whose forward runs on this thread, its kept outputs); module-level, so
+# that an HFTarget deep-copies (the example copies the target to each target device).
+_collector = threading.local()
+
+
 class HFTarget(nn.Module):
     """forward(input_ids) -> the capture layers' outputs, concatenated:
     [B, T, len(layers) * hidden]. The base model runs without its LM head and stops after
@@ -282,19 +295,27 @@ class HFTarget(nn.Module):
         self.layers = tuple(layers)
         text_config = model.config.get_text_config()
         self.feature_dim = len(self.layers) * text_config.hidden_size
-        self._collector = threading.local()
+        self._hooks: list[Any] = []
         decoder = self.decoder_layers()
-        if decoder is None:  # not a decoder stack transformers' way: keep every output
-            self._stop_early = False
+        # Unless the last layer is a capture layer (its feature is last_hidden_state).
+        self._stop_early = decoder is not None and len(decoder) - 1 not in self.layers
+        self.hook_capture_layers()
+
+    def hook_capture_layers(self) -> None:
+        """(Re)registers the capture hooks on the decoder layers now in place: call it
+        after replacing one (fused.py's compiled layers do)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        decoder = self.decoder_layers()
+        if decoder is None:
             return
-        n = len(decoder)
-        self._takes_last_hidden_state = n - 1 in self.layers
-        self._stop_early = not self._takes_last_hidden_state
         for i in self.layers:
-            if i == n - 1:
+            if i == len(decoder) - 1:  # its feature is last_hidden_state
                 continue
             last = self._stop_early and i == max(self.layers)
-            decoder[i].register_forward_hook(functools.partial(self._keep, i, last))
+            hook = functools.partial(self._keep, i, last)
+            self._hooks.append(decoder[i].register_forward_hook(hook))
 
     def decoder_layers(self) -> nn.ModuleList | None:
         """The base model's decoder layers (`base_model.layers`), or None."""
@@ -308,8 +329,8 @@ class HFTarget(nn.Module):
         return self.model.get_output_embeddings()
 
     def _keep(self, index: int, last: bool, module: nn.Module, args: Any, output: Any) -> None:
-        kept = getattr(self._collector, "kept", None)
-        if kept is None:  # the model called directly, not through this forward
+        owner, kept = getattr(_collector, "state", (None, None))
+        if owner is not self:  # the model called directly, not through this forward
             return
         kept[index] = output[0] if isinstance(output, tuple) else output
         if last:
@@ -321,7 +342,7 @@ class HFTarget(nn.Module):
             out = base(input_ids=input_ids, use_cache=False, output_hidden_states=True)
             return torch.cat([out.hidden_states[i + 1] for i in self.layers], dim=-1)
         kept: dict[int, torch.Tensor] = {}
-        self._collector.kept = kept
+        _collector.state = (self, kept)
         try:
             out = base(input_ids=input_ids, use_cache=False)
             if self._stop_early:
@@ -332,5 +353,5 @@ class HFTarget(nn.Module):
         except _CapturedAll:
             pass
         finally:
-            self._collector.kept = None
+            _collector.state = (None, None)
         return torch.cat([kept[i] for i in self.layers], dim=-1)
