@@ -119,6 +119,7 @@ def stand_in_fla(monkeypatch):
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(fused, "_on_fla", lambda x: True)
+    monkeypatch.setattr(fused, "_takes_fla", lambda module, x: True)
     return calls
 
 

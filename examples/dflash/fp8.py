@@ -39,21 +39,18 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, amax / FP8_MAX
 
 
-_kernel = None
-
-
-def _quantize_kernel():
-    """The Triton kernel, defined on first use (Triton is imported only when needed).
-    A plain @triton.jit kernel without autotuning: pydflash's 'triton' guard makes its
-    first compile single-flight like any other's (pydflash/guards/jit.py)."""
-    global _kernel
-    if _kernel is not None:
-        return _kernel
+try:
     import triton
     import triton.language as tl
+except ImportError:  # the CPU path needs no Triton
+    triton = None
 
+
+if triton is not None:
+    # A plain @triton.jit kernel without autotuning: pydflash's 'triton' guard makes its
+    # first compile single-flight like any other's (pydflash/guards/jit.py).
     @triton.jit
-    def quantize_rows_kernel(
+    def _quantize_rows_kernel(
         x_ptr,
         q_ptr,
         scale_ptr,
@@ -76,11 +73,12 @@ def _quantize_kernel():
             x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         amax_row = tl.maximum(tl.max(amax, axis=0), FLOOR)
-        inverse = tl.math.div_rn(QMAX, amax_row)
+        qmax = amax_row * 0.0 + QMAX  # as a tensor, for div_rn
+        inverse = tl.math.div_rn(qmax, amax_row)
         for start in range(0, K, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-            q = tl.clamp(x * inverse, -QMAX, QMAX)
+            q = tl.minimum(tl.maximum(x * inverse, -QMAX), QMAX)
             if ROUND_TO_GRID:
                 # Note [Interpreted fp8 casts]
                 bits = q.to(tl.int32, bitcast=True)
@@ -94,10 +92,7 @@ def _quantize_kernel():
                 rounded = (whole + tl.where(up, 1.0, 0.0)) * ulp
                 q = tl.where(rounded == 0.0, q * 0.0, rounded)  # keeps -0.0's sign
             tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
-        tl.store(scale_ptr + row, tl.math.div_rn(amax_row, QMAX))
-
-    _kernel = quantize_rows_kernel
-    return _kernel
+        tl.store(scale_ptr + row, tl.math.div_rn(amax_row, qmax))
 
 
 # Note [Interpreted fp8 casts]: Triton's interpreter (TRITON_INTERPRET=1, the CPU tests)
@@ -127,7 +122,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
         block = min(max(16, 1 << (k - 1).bit_length()), 4096)
-        _quantize_kernel()[(rows,)](
+        _quantize_rows_kernel[(rows,)](
             x,
             q,
             scale,

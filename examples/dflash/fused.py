@@ -66,6 +66,12 @@ def _on_fla(x: torch.Tensor) -> bool:
     return x.is_cuda and fla_available()
 
 
+def _takes_fla(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether a fused module runs FLA's kernel on x: FLA was found when the module was
+    made (looked up once: a lookup in a compiled layer would break its graph)."""
+    return module.use_fla and x.is_cuda
+
+
 # Note [Opaque to torch.compile]: FLA's ops are autograd Functions around autotuned
 # Triton kernels (FLA's own autotuner subclass, pydflash's guard on it); Dynamo must not
 # trace into them. Each call from here is `torch.compiler.disable`d (a graph break in a
@@ -109,10 +115,11 @@ class ZeroCentredRMSNorm(nn.Module):
         super().__init__()
         self.weight = norm.weight
         self.eps = norm.eps
+        self.use_fla = fla_available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = 1.0 + self.weight.float()
-        if _on_fla(x):
+        if _takes_fla(self, x):
             return _fla_rms_norm(x, scale, self.eps)
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * scale).type_as(x)
@@ -125,9 +132,10 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = norm.weight
         self.eps = norm.variance_epsilon
+        self.use_fla = fla_available()
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if _on_fla(x):
+        if _takes_fla(self, x):
             return _fla_rms_norm_gated(x, gate, self.weight, self.eps)
         dtype = x.dtype
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
@@ -154,11 +162,12 @@ class FusedMLP(nn.Module):
             self.gate_up.weight.copy_(torch.cat([gate.weight, up.weight]))
         self.gate_up.requires_grad_(gate.weight.requires_grad)
         self.down_proj = mlp.down_proj
+        self.use_fla = fla_available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
         gate, up = gate_up[..., : self.hidden], gate_up[..., self.hidden :]
-        hidden = _fla_swiglu(gate, up) if _on_fla(x) else F.silu(gate) * up
+        hidden = _fla_swiglu(gate, up) if _takes_fla(self, x) else F.silu(gate) * up
         return self.down_proj(hidden)
 
 
