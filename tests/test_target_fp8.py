@@ -190,6 +190,18 @@ def test_capture_forward_from_threads_at_once():
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
+@pytest.mark.parametrize("whole", [False, True])
+def test_to_fp8_of_a_whole_target_keeps_its_head(whole):
+    from examples.dflash.models import TINY_TARGET
+
+    for target in (HFTargetConfig.load(TINY, (1, 3)).build(), TINY_TARGET.build()):
+        head = target.get_output_embeddings()
+        layers = target.decoder_layers() if hasattr(target, "decoder_layers") else target.layers
+        fp8.to_fp8(target if whole else layers)
+        assert target.get_output_embeddings() is head and type(head) is nn.Linear
+        assert any(isinstance(m, fp8.FP8Linear) for m in layers.modules())
+
+
 def test_fp8_target_keeps_embedding_and_head_and_stays_close():
     config = HFTargetConfig.load(TINY, (1, 3))
     torch.manual_seed(0)

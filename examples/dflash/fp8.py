@@ -266,10 +266,11 @@ def to_fp8(
     module: nn.Module | None, *, granularity: str = "row", backend: str = "triton"
 ) -> nn.Module | None:
     """Swaps every nn.Linear inside `module` whose shapes fit (`fits`) for its FP8
-    version, in place, and returns `module`. Pass the decoder layers, not the whole
-    model: the embedding is not a linear layer, and the LM head, which the drafter
-    copies, should stay as it is. `backend` "torchao" uses torchao's float8 inference
-    (Float8DynamicActivationFloat8WeightConfig, PerRow) instead of FP8Linear."""
+    version, in place, and returns `module`: a whole target (HFTarget, HybridTarget)
+    or its decoder layers. The LM head (`module.get_output_embeddings()`), which the
+    drafter copies, stays as it is; the embedding is not a linear layer. `backend`
+    "torchao" uses torchao's float8 inference (Float8DynamicActivationFloat8WeightConfig,
+    PerRow) instead of FP8Linear."""
     if module is None:
         raise ValueError("expected a module with linear layers, got None")
     if granularity not in GRANULARITIES:
@@ -287,10 +288,22 @@ def to_fp8(
         )
 
         config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
-        quantize_(module, config, filter_fn=lambda m, _name: fits(m))
+        kept = _output_head(module)
+        quantize_(module, config, filter_fn=lambda m, _name: fits(m) and m is not kept)
         return module
+    kept = _output_head(module)
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if fits(child):
+            if fits(child) and child is not kept:
                 setattr(parent, name, FP8Linear(child))
     return module
+
+
+def _output_head(module: nn.Module) -> nn.Module | None:
+    """The LM head of a target (HFTarget, HybridTarget, a transformers model), if any:
+    left as it is, since drafters copy it (and the target's forward never runs it)."""
+    get = getattr(module, "get_output_embeddings", None)
+    try:
+        return get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        return None
