@@ -26,9 +26,7 @@ expression in fp32 and rounds once.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -183,33 +181,20 @@ def _mergeable(mlp: nn.Module) -> bool:
 
 # --- "conv" ------------------------------------------------------------------------------------
 # Note [FLA causal conv]: transformers' Qwen3-Next calls the module-level function
-# `causal_conv1d_fn(x [B, D, T], weight [D, W], bias, activation=...)` (a hub kernel when
-# one is installed, else its torch fallback). fuse() routes that name through
-# `_route_conv`, which takes FLA's kernel only inside the forward of a linear-attention
-# module that opted in (a per-thread flag its wrapped forward sets): other models in the
-# process keep their path. FLA's kernel takes x as [B, T, D]; transformers' x is the
-# transpose of a contiguous [B, T, D] tensor, so both transposes are views.
-_conv_state = threading.local()
-
-
+# `causal_conv1d_fn(x [B, D, T], self.conv1d.weight.squeeze(1), bias, activation=...)` (a
+# hub kernel when one is installed, else its torch fallback). fuse() routes that name
+# through `_route_conv`, which takes FLA's kernel only for a convolution whose weight
+# parameter fuse() marked (`fla_conv`; the weight passed is a view of it): other models
+# in the process keep their path. A deep copy of the target (the example copies it to
+# further target devices) loses the mark and takes transformers' path: slower, the same
+# results. FLA's kernel takes x as [B, T, D]; transformers' x is the transpose of a
+# contiguous [B, T, D] tensor, so both transposes are views.
 @torch.compiler.disable
 def _route_conv(x: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, **kwargs):
-    if getattr(_conv_state, "on", False) and _on_fla(x) and not kwargs.get("seq_idx"):
+    parameter = weight if weight._base is None else weight._base
+    if getattr(parameter, "fla_conv", False) and _on_fla(x) and not kwargs.get("seq_idx"):
         return _fla_causal_conv1d(x, weight, bias, activation)
     return _route_conv.original(x, weight, bias, activation=activation, **kwargs)
-
-
-def _with_fla_conv(forward):
-    @functools.wraps(forward)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        was = getattr(_conv_state, "on", False)
-        _conv_state.on = True
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            _conv_state.on = was
-
-    return wrapped
 
 
 def _route_conv_in(module: Any) -> bool:
@@ -277,10 +262,9 @@ def fuse(target: Any, fusions: Iterable[str]) -> Any:
                 setattr(parent, name, FusedMLP(child))
     if "conv" in fusions and _route_conv_in(qwen3_next):
         for layer in decoder:
-            attention = getattr(layer, "linear_attn", None)
-            if attention is not None and "forward" not in vars(attention):
-                # An instance attribute, not a submodule: the module tree stays as it is.
-                object.__setattr__(attention, "forward", _with_fla_conv(attention.forward))
+            conv = getattr(getattr(layer, "linear_attn", None), "conv1d", None)
+            if conv is not None:
+                conv.weight.fla_conv = True  # Note [FLA causal conv]
     if "compile" in fusions:
         _opaque_dispatch(qwen3_next)
         _compile_layers(decoder)
