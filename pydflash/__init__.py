@@ -40,6 +40,10 @@ def __getattr__(name: str):
         from .pipeline.stages.drafter_graphs import DrafterGraphs
 
         return DrafterGraphs
+    if name == "Policy":
+        from .graphs.cache import Policy
+
+        return Policy
     raise AttributeError(f"module 'pydflash' has no attribute {name!r}")
 
 
@@ -63,6 +67,7 @@ __all__ = [
     "NativeModuleError",
     "Pipeline",
     "PipelineError",
+    "Policy",
     "PydflashError",
     "TargetGraphs",
     "UnsupportedTritonError",

@@ -17,7 +17,7 @@ from pydflash import GraphFallbackWarning, GraphMemoryError
 from pydflash.graphs import _cuda_capture
 from pydflash.graphs import cache as graph_cache
 from pydflash.graphs import lane_graph as graphs
-from pydflash.graphs.cache import BUSY_RETRIES, GraphCache
+from pydflash.graphs.cache import BUSY_RETRIES, TIMED_REPLAYS, GraphCache
 
 REAL_QUIET = _cuda_capture.device_quiet
 
@@ -29,6 +29,7 @@ class FakeAllocator:
 
     def __init__(self):
         self.use_count: dict = {}
+        self.reserved: dict = {}  # pool -> bytes it holds: 1000 per capture into it
         self.recording: list = []
         self.host_recording: list = []  # the pinned host allocator's: no Python call ends it
 
@@ -42,6 +43,7 @@ class FakeAllocator:
             raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
         self.recording.append(pool)
         self.host_recording.append(pool)
+        self.reserved[pool] = self.reserved.get(pool, 0) + 1000
 
     def end(self, device, pool):
         if pool not in self.recording:
@@ -51,6 +53,15 @@ class FakeAllocator:
     def release(self, device, pool):
         self.use_count[pool] -= 1
         assert self.use_count[pool] >= 0
+
+    def empty_cache(self):
+        """Frees the pools no graph uses any more, as torch's free_cached_blocks does."""
+        for pool, count in self.use_count.items():
+            if count == 0:
+                self.reserved[pool] = 0
+
+    def pool_bytes(self, pool, device):
+        return self.reserved.get(pool, 0)
 
 
 class FakeCudaGraph:
@@ -74,6 +85,7 @@ class FakeCudaGraph:
         self.cuda.generator_capturing = True  # torch's capture prologue comes first
         self.pool = pool
         self.cuda.allocator.begin(pool)
+        self.cuda.nodes = 0
         self.holds = True
         if self.cuda.fail_at == "capture_begin":
             raise RuntimeError("CUDA error: operation not permitted (begin)")
@@ -92,6 +104,8 @@ class FakeCudaGraph:
             )
         self.cuda.generator_capturing = False  # the epilogue, after a successful end only
         self.ended = True
+        if self.cuda.nodes == 0:  # torch's TORCH_WARN "The CUDA Graph is empty"
+            self.cuda.empty_graphs += 1
 
     def reset(self):
         if self.holds and (self.ended or self.cuda.torch != "keeps"):
@@ -115,6 +129,13 @@ class FakeCuda:
         self.quiet = True
         self.made = 0
         self.generator_capturing = False
+        self.nodes = 0  # kernels recorded by the capture underway
+        self.empty_graphs = 0  # captures ended with no kernel in them
+
+    def launch(self):
+        """A kernel launch: recorded while a capture is underway."""
+        if self.capturing:
+            self.nodes += 1
 
     def end_generator_capture(self):
         self.generator_capturing = False  # a capture's prologue, then its epilogue
@@ -163,9 +184,11 @@ def cuda(monkeypatch):
     monkeypatch.setattr(_cuda_capture, "end_allocate_to_pool", fake.allocator.end)
     monkeypatch.setattr(_cuda_capture, "device_quiet", fake.device_quiet)
     monkeypatch.setattr(_cuda_capture, "end_generator_capture", fake.end_generator_capture)
+    monkeypatch.setattr(_cuda_capture, "launch_marker", fake.launch)
+    monkeypatch.setattr(_cuda_capture, "empty_cache", fake.allocator.empty_cache)
     pools = iter(range(1, 1000))
     monkeypatch.setattr(graph_cache, "_new_pool", lambda: (0, next(pools)))
-    monkeypatch.setattr(graph_cache, "pool_bytes", lambda pool, device: 0)
+    monkeypatch.setattr(graph_cache, "pool_bytes", fake.allocator.pool_bytes)
     return fake
 
 
@@ -179,6 +202,7 @@ LANE = FakeLane()
 
 def forward(cuda, fail=False):
     def fn():
+        cuda.launch()
         if fail:
             cuda.host_sync()
         return "out"
@@ -214,6 +238,7 @@ def test_a_failed_capture_leaves_no_trace(cuda, point, torch_release):
     assert failed.value.kind == "capture failed"
     assert not cuda.capturing and cuda.allocator.recording == []
     assert not cuda.generator_capturing  # random ops outside a capture work again
+    assert cuda.empty_graphs == 0  # Note [No empty graph]: a cleanup never ends one
     # The kept graph's reference, and where torch keeps it, the failed capture's.
     began = point not in ("stream_idle", "forward_python")
     assert cuda.allocator.use_count[pool] == 1 + (torch_release == "keeps" and began)
@@ -467,3 +492,158 @@ def test_stats_is_consistent_while_another_thread_captures_evicts_and_replays(cu
     finally:
         sys.setswitchinterval(interval)
     assert errors == []
+
+
+# --- failures remembered, attempts counted (Note [Capture failures]) --------------------------
+def test_a_deterministic_failure_is_attempted_once_per_key(cuda, monkeypatch):
+    attempts = []
+    real = graphs.capture_graph
+
+    def counting(fn, lane, **kwargs):
+        attempts.append(kwargs["turn"])
+        return real(fn, lane, **kwargs)
+
+    monkeypatch.setattr(graphs, "capture_graph", counting)
+    cache = GraphCache("stage", warmup=0)
+    lane = cache.lane(LANE)
+    with pytest.warns(GraphFallbackWarning, match="capture failed"):
+        for _ in range(5):
+            for key in ("bucket", "step"):
+                assert lane.get_or_capture(key, lambda: (forward(cuda, fail=True), None)) is None
+    assert attempts == ["stage bucket", "stage step"]
+    stats = cache.stats()
+    s = stats["lanes"][LANE.label]
+    assert (s["capture_attempts"], s["capture_failures"], s["captures"]) == (2, 2, 0)
+    assert s["eager_runs"] == 10 and stats["fallbacks"]["capture failed"]["count"] == 10
+
+
+def test_a_key_over_the_cap_is_tried_again_after_a_pool_was_given_back(cuda):
+    cache = GraphCache("stage", warmup=0, max_pool_bytes=1500)
+    lane = cache.lane(LANE)
+    a = lane.get_or_capture("a", lambda: (forward(cuda), None))
+    assert a is not None
+    with pytest.warns(GraphFallbackWarning, match="memory cap"):
+        assert lane.get_or_capture("b", lambda: (forward(cuda), None)) is None  # 2000 > 1500
+    assert lane.get_or_capture("b", lambda: pytest.fail("tried again too soon")) is None
+    # The policy drops a: its pool, with no graph left, is given back.
+    lane.graphs.pop("a")
+    lane._retire_empty_locked(a.pool)
+    del a
+    lane._give_back_pools()
+    assert lane.get_or_capture("b", lambda: (forward(cuda), None)) is not None  # fresh pool
+    s = cache.stats()["lanes"][LANE.label]
+    assert (s["capture_attempts"], s["capture_failures"], s["pools_released"]) == (3, 1, 1)
+
+
+# --- a dropped graph gives its memory back (Note [Giving a pool back]) ----------------------
+def _timed(monkeypatch, eager_ms, graph_ms):
+    spent = iter([eager_ms, *([graph_ms] * 100)])
+
+    def events():
+        return FakeEvent(0.0), FakeEvent(next(spent))
+
+    monkeypatch.setattr(_cuda_capture, "timing_events", events)
+
+
+def _replayed_until_judged(lane, key, cuda, pool="graphs"):
+    """Calls for `key` until the policy has judged its graph: True when kept. Holds no
+    reference to the entry between calls, as a stage's task does not."""
+    for _ in range(TIMED_REPLAYS + 2):
+        entry = lane.get_or_capture(key, lambda: (forward(cuda), None), pool=pool)
+        if entry is None:
+            return False
+        if not entry._events and len(entry.graph_ms) >= TIMED_REPLAYS:
+            return True
+        lane.replay(entry)
+        del entry
+    raise AssertionError("not judged")
+
+
+def test_a_dropped_only_graph_gives_its_pool_back(cuda, monkeypatch):
+    _timed(monkeypatch, eager_ms=10.0, graph_ms=9.8)  # GPU-bound
+    cache = GraphCache("stage", warmup=1)
+    lane = cache.lane(LANE)
+    assert not _replayed_until_judged(lane, "k", cuda)
+    s = cache.stats()["lanes"][LANE.label]
+    assert s["dropped"] == 1 and s["graphs"] == []
+    assert (s["pool_bytes"], s["pools_released"], s["released_bytes"]) == (0, 1, 1000)
+
+
+def test_a_pool_that_keeps_a_graph_is_not_given_back(cuda, monkeypatch):
+    spent = iter([10.0, 2.0, 2.0, 2.0, 10.0, 9.9, 9.9, 9.9])  # "a" pays, "b" does not
+
+    def events():
+        return FakeEvent(0.0), FakeEvent(next(spent))
+
+    monkeypatch.setattr(_cuda_capture, "timing_events", events)
+    cache = GraphCache("stage", warmup=1)
+    lane = cache.lane(LANE)
+    assert _replayed_until_judged(lane, "a", cuda)
+    assert not _replayed_until_judged(lane, "b", cuda)
+    s = cache.stats()["lanes"][LANE.label]
+    assert s["graphs"] == ["a"] and s["pools_released"] == 0 and s["pool_bytes"] == 2000
+
+
+def test_graphs_in_another_pool_do_not_hold_a_dropped_pool(cuda, monkeypatch):
+    """The step graph lives in a pool of its own: dropping every bucket frees theirs."""
+    _timed(monkeypatch, eager_ms=10.0, graph_ms=9.8)
+    cache = GraphCache("stage", warmup=1)
+    lane = cache.lane(LANE)
+    step = lane.get_or_capture("step", lambda: (forward(cuda), None), pool="step", timed=False)
+    assert step is not None
+    assert not _replayed_until_judged(lane, "bucket", cuda)
+    s = cache.stats()["lanes"][LANE.label]
+    assert s["graphs"] == ["step"] and s["pools_released"] == 1 and s["pool_bytes"] == 1000
+
+
+# --- policy AUTO judges the whole step (Note [A policy for the whole step]) ------------------
+def test_a_key_is_captured_only_once_seen_capture_after_times(cuda):
+    cache = GraphCache("stage", warmup=0, capture_after=3)
+    lane = cache.lane(LANE)
+    got = [lane.get_or_capture("k", lambda: (forward(cuda), None)) for _ in range(4)]
+    assert [g is not None for g in got] == [False, False, True, True]
+    assert lane.get_or_capture("j", lambda: (forward(cuda), None), ahead=True) is not None
+    stats = cache.stats()
+    assert stats["fallbacks"] == {} and stats["lanes"][LANE.label]["eager_runs"] == 2
+
+
+def test_keys_are_predicted_gpu_bound_once_every_measured_graph_was(cuda, monkeypatch):
+    _timed(monkeypatch, eager_ms=10.0, graph_ms=9.8)
+    cache = GraphCache("stage", warmup=1)
+    lane = cache.lane(LANE)
+    for key in range(graph_cache.PREDICT_AFTER):
+        assert not _replayed_until_judged(lane, key, cuda)
+    assert lane.get_or_capture("new", lambda: pytest.fail("captured")) is None
+    s = cache.stats()["lanes"][LANE.label]
+    assert s["capture_attempts"] == graph_cache.PREDICT_AFTER
+    assert s["policy_choices"] == {"gpu-bound": 2, "predicted GPU-bound": 1}
+    assert cache.stats()["fallbacks"] == {}
+
+
+def test_the_capture_budget_stops_new_captures(cuda, monkeypatch):
+    clock = iter(range(0, 1000, 5))  # every capture takes 5 s
+    monkeypatch.setattr(graph_cache.time, "perf_counter", lambda: next(clock))
+    cache = GraphCache("stage", warmup=0, capture_budget=9)
+    lane = cache.lane(LANE)
+    got = [lane.get_or_capture(key, lambda: (forward(cuda), None)) for key in "abc"]
+    assert [g is not None for g in got] == [True, True, False]
+    assert cache.stats()["lanes"][LANE.label]["policy_choices"] == {"capture budget": 1}
+
+
+def test_the_policy_is_an_enum_and_its_strings_are_accepted():
+    for value in ("auto", graph_cache.Policy.GRAPHS, "eager"):
+        policy = GraphCache("stage", policy=value).policy
+        assert isinstance(policy, graph_cache.Policy) and policy == value
+
+
+def test_a_pool_held_elsewhere_is_given_back_once_let_go(cuda, monkeypatch):
+    _timed(monkeypatch, eager_ms=10.0, graph_ms=9.8)
+    cache = GraphCache("stage", warmup=1)
+    lane = cache.lane(LANE)
+    held = lane.get_or_capture("k", lambda: (forward(cuda), None))  # a program keeps it
+    assert not _replayed_until_judged(lane, "k", cuda)
+    s = cache.stats()["lanes"][LANE.label]
+    assert (s["pool_bytes"], s["pools_released"]) == (1000, 0)
+    del held
+    s = cache.stats()["lanes"][LANE.label]
+    assert (s["pool_bytes"], s["pools_released"]) == (0, 1)

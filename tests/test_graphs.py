@@ -3,6 +3,7 @@ a replay() fallback on any machine; capture and native launches on a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -425,6 +426,43 @@ def test_gpu_capture_failure_leaves_the_lane_usable(gpu_lane):
         graphs.capture(syncs, torch.ones(4, device="cuda"), gpu_lane, warmup=0)
     y = gpu_lane.submit(torch.ones, 4, device="cuda").result()
     assert y.sum().item() == 4
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_an_empty_graph_is_caught_by_the_gpu_tests(gpu_lane, no_empty_cuda_graph):
+    """tests/conftest.py fails a GPU test on torch's "The CUDA Graph is empty" warning,
+    also where a cleanup swallows it: here one is made on purpose, and taken back out."""
+
+    def empty_capture():
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(capture_error_mode="thread_local")
+        with contextlib.suppress(Exception):  # as a cleanup would
+            graph.capture_end()
+
+    gpu_lane.submit(empty_capture).result()
+    assert len(no_empty_cuda_graph) == 1
+    no_empty_cuda_graph.clear()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_a_step_refused_before_its_first_kernel_leaves_no_empty_graph(gpu_lane):
+    """Issue 31: torch's capture check refuses an optimizer step whose group says
+    capturable=False before the step launches anything, and ending that capture warned
+    "The CUDA Graph is empty" (Note [No empty graph]); the fixture fails on it."""
+    weight = torch.nn.Parameter(torch.ones(4, device="cuda"))
+    weight.grad = torch.ones(4, device="cuda")
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)  # capturable=False
+    optimizer.step()
+
+    def capture():
+        pool = torch.cuda.graph_pool_handle()
+        return graphs.capture_graph(optimizer.step, gpu_lane, pool=pool, warmup=0)
+
+    with pytest.raises(graphs.CaptureFailed, match="capturable is False"):
+        gpu_lane.submit(capture).result()
+    assert gpu_lane.submit(torch.ones, 4, device="cuda").result().sum().item() == 4
 
 
 @pytest.mark.gpu

@@ -42,6 +42,20 @@ def is_capturing() -> bool:
         return True  # unknown: try to end it
 
 
+def launch_marker() -> None:
+    """One small kernel on the current stream (Note [No empty graph] in
+    pydflash/graphs/lane_graph.py)."""
+    import torch
+
+    torch.zeros(1, device=torch.cuda.current_device())
+
+
+def empty_cache() -> None:
+    import torch
+
+    torch.cuda.empty_cache()
+
+
 def end_allocate_to_pool(device: int, pool: Any) -> None:
     import torch
 
