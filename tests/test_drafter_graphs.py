@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import random
+import sys
 
 import pytest
 import torch
@@ -103,6 +104,11 @@ def train_steps(stage, data, accumulate=2):
     if lane.is_gpu:  # the parameters are read on this thread's stream next
         torch.cuda.synchronize(lane.device)
     return [float(x) for x in losses]
+
+
+# Capturable optimizers compute on tensors (lr, bias corrections) where plain ones use
+# Python floats: the same math, rounded differently.
+CAPTURABLE = dict(rtol=1e-4, atol=1e-5)
 
 
 def assert_same_training(a, b, *, rtol=1e-5, atol=1e-6):
@@ -204,6 +210,21 @@ class RecordedGraph:
             self.out.copy_(value)
 
 
+def capturable_on_cpu(monkeypatch):
+    """torch's optimizers refuse capturable=True for CPU tensors (the devices that
+    `torch.optim.optimizer._get_capturable_supported_devices` lists); the CPU tests add
+    "cpu" to that list in every optimizer module, so the capturable code paths that a
+    captured step takes on a GPU (tensor lr, steps as tensors) run here too."""
+    for name, module in list(sys.modules.items()):
+        real = getattr(module, "_get_capturable_supported_devices", None)
+        if name.startswith("torch.optim") and real is not None:
+
+            def with_cpu(supports_xla=True, real=real):
+                return [*real(supports_xla), "cpu"]
+
+            monkeypatch.setattr(module, "_get_capturable_supported_devices", with_cpu)
+
+
 @pytest.fixture
 def recorded(monkeypatch):
     """CPU lanes behave as capturing lanes: the capture warms up, then keeps the callable
@@ -218,16 +239,11 @@ def recorded(monkeypatch):
         made.append(RecordedGraph(fn, out))
         return graphs.Captured(made[-1], out)
 
-    def tensor_lr(optimizer, device):  # CPU optimizers are not capturable
-        for group in optimizer.param_groups:
-            group["lr"] = torch.tensor(float(group["lr"]))
-        return [(group, "lr", group["lr"]) for group in optimizer.param_groups]
-
     monkeypatch.setattr(graphs, "capture_graph", capture_graph)
     monkeypatch.setattr(graph_cache, "_new_pool", lambda: "pool")
     monkeypatch.setattr(graph_cache, "pool_bytes", lambda pool, device: 1000 * len(made))
     monkeypatch.setattr(dg, "_captures", lambda lane: True)
-    monkeypatch.setattr(dg, "make_capturable", tensor_lr)
+    capturable_on_cpu(monkeypatch)
     return made
 
 
@@ -237,7 +253,7 @@ def test_replayed_buckets_and_step_train_as_the_eager_drafter_does(lanes, record
     graphs, graph_drafters = make(DrafterGraphs, lanes, clip=0.05, lengths=(4, 8, 16))
     expected = train_steps(eager, data), eager_drafters[0]
     got = train_steps(graphs, data), graph_drafters[0]
-    assert_same_training(got, expected)
+    assert_same_training(got, expected, **CAPTURABLE)
     stats = graphs.stats()["lanes"][lanes[0].label]
     buckets = {
         (x["h"].shape[0], 4 if x["h"].shape[1] <= 4 else 8 if x["h"].shape[1] <= 8 else 16)
@@ -297,12 +313,12 @@ def test_a_scheduled_tensor_lr_reaches_the_captured_step(lanes, recorded):
             **({"lengths": (4, 8, 16)} if kind is DrafterGraphs else {}),
         )
         runs.append((train_steps(stage, data), drafter))
-    assert_same_training(runs[1], runs[0])
+    assert_same_training(runs[1], runs[0], **CAPTURABLE)
 
 
 def test_a_changed_plain_hyperparameter_makes_the_step_eager(lanes, recorded):
     stage, _ = make(DrafterGraphs, lanes, lengths=(16,))
-    optimizer = stage._optimizers[0]
+    optimizer = stage.training.optimizers[0]
     data = microbatches(8)
     train_steps(stage, data[:4])
     optimizer.param_groups[0]["weight_decay"] = 0.5
@@ -311,6 +327,112 @@ def test_a_changed_plain_hyperparameter_makes_the_step_eager(lanes, recorded):
     stats = stage.stats()
     assert (stats["lanes"][lanes[0].label]["step_eager_runs"]) == 3  # the first and the last two
     assert stats["fallbacks"]["hyperparameter"]["count"] == 2
+
+
+# --- every torch optimizer with `capturable` (Note [Capturable optimizers]) ----------------
+OPTIMIZERS = {
+    "Adam": lambda ps: torch.optim.Adam(ps, lr=0.05),
+    "Adam fused": lambda ps: torch.optim.Adam(ps, lr=0.05, fused=True),
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1),
+    "AdamW fused": lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1, fused=True),
+    "AdamW foreach amsgrad": lambda ps: torch.optim.AdamW(ps, lr=0.05, foreach=True, amsgrad=True),
+    "Adamax": lambda ps: torch.optim.Adamax(ps, lr=0.05),
+    "ASGD": lambda ps: torch.optim.ASGD(ps, lr=0.05),
+    "NAdam": lambda ps: torch.optim.NAdam(ps, lr=0.05),
+    "RAdam": lambda ps: torch.optim.RAdam(ps, lr=0.05),
+    "RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01),
+    "Rprop": lambda ps: torch.optim.Rprop(ps, lr=0.01),
+    "Adadelta": lambda ps: torch.optim.Adadelta(ps, lr=0.5),
+}
+
+
+def test_every_torch_optimizer_with_capturable_is_listed():
+    """A torch release that adds `capturable` to another optimizer fails here first."""
+    import inspect
+
+    with_option = {
+        name
+        for name, cls in vars(torch.optim).items()
+        if isinstance(cls, type)
+        and issubclass(cls, torch.optim.Optimizer)
+        and "capturable" in inspect.signature(cls.__init__).parameters
+    }
+    assert with_option == {name.split()[0] for name in OPTIMIZERS}
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_make_capturable_configures_each_optimizer_and_its_steps_are_unchanged(kind, monkeypatch):
+    capturable_on_cpu(monkeypatch)
+    torch.manual_seed(0)
+    reference, made = Toy(), Toy()
+    made.load_state_dict(reference.state_dict())
+    plain, optimizer = OPTIMIZERS[kind](reference.parameters()), OPTIMIZERS[kind](made.parameters())
+    plain.step()  # no gradients yet: state stays empty, as a first step may leave it
+    data = microbatches(4, seed=7)
+    for model, opt in ((reference, plain), (made, optimizer)):
+        loss = masked_loss(model, data[0])
+        loss.backward()
+        opt.step()  # the state exists before make_capturable, as after a checkpoint load
+        opt.zero_grad()
+    hypers = dg.make_capturable(optimizer, torch.device("cpu"))
+    for group in optimizer.param_groups:
+        assert group["capturable"] is True
+        lr = group["lr"]
+        assert isinstance(lr, torch.Tensor) and lr.dtype == torch.float32 and lr.numel() == 1
+    assert [h[2] for h in hypers] == [g["lr"] for g in optimizer.param_groups]
+    assert all(
+        v.dtype == torch.float32
+        for st in optimizer.state.values()
+        for k, v in st.items()
+        if k == "step"
+    )
+    for x in data[1:]:
+        for model, opt in ((reference, plain), (made, optimizer)):
+            masked_loss(model, x).backward()
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(made.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, **CAPTURABLE)
+    assert dg.host_state(optimizer, torch.device("cpu")) is None
+
+
+def test_host_state_names_what_a_replay_would_leave_behind():
+    drafter = Toy()
+    adagrad = torch.optim.Adagrad(drafter.parameters(), lr=0.1)  # its step count on the host
+    masked_loss(drafter, microbatches(1)[0]).backward()
+    adagrad.step()
+    assert "state['step'] on cpu" in dg.host_state(adagrad, torch.device("cuda:0"))
+    sgd = torch.optim.SGD(drafter.parameters(), lr=0.1, momentum=0.9)
+    sgd.step()
+    assert dg.host_state(sgd, torch.device("cpu")) is None
+    sgd.state[drafter.head.weight]["count"] = 3  # a Python number a replay cannot advance
+    assert "on the host (int)" in dg.host_state(sgd, torch.device("cpu"))
+    adam = torch.optim.Adam(drafter.parameters(), capturable=False)
+    assert "capturable=False" in dg.host_state(adam, torch.device("cpu"))
+
+
+def test_an_optimizer_with_host_state_steps_eagerly_and_buckets_keep_replaying(lanes, recorded):
+    drafter = Toy()
+    stage = DrafterGraphs(
+        lanes[:1],
+        drafter=drafter,
+        loss=masked_loss,
+        optimizer=torch.optim.SGD(drafter.parameters(), lr=0.1),
+        accumulate=2,
+        lengths=(16,),
+        policy="graphs",
+    )
+    stage.training.optimizers[0].state[drafter.head.weight]["count"] = 0  # host state
+    data = microbatches(8)
+    with pytest.warns(GraphFallbackWarning, match="optimizer not capturable") as warned:
+        train_steps(stage, data)
+    assert len([w for w in warned if "not capturable" in str(w.message)]) == 1
+    stats = stage.stats()
+    lane = stats["lanes"][lanes[0].label]
+    assert (lane["step"], lane["step_eager_runs"], lane["step_replays"]) == ("eager", 4, 0)
+    assert lane["replays"] == 8  # every microbatch, the capturing ones too
+    assert lane["capture_attempts"] == len(lane["buckets"])  # the step was never tried
+    assert stats["fallbacks"]["optimizer not capturable"]["count"] == 3
 
 
 # --- replicas -------------------------------------------------------------------------------
@@ -332,7 +454,7 @@ def test_two_replicas_sum_their_flat_gradients(lanes):
                 stage.lanes[r].submit(stage.step, s, r, (total, None)).result()
     for p, q in zip(drafters[0].parameters(), drafters[1].parameters(), strict=True):
         assert torch.equal(p, q)
-    for p, q in zip(drafters[0].parameters(), eager._drafters[0].parameters(), strict=True):
+    for p, q in zip(drafters[0].parameters(), eager.training.drafters[0].parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
@@ -393,9 +515,11 @@ def on_gpu(data: list[dict]) -> list[dict]:
     return [{k: t.cuda() for k, t in x.items()} for x in data]
 
 
-def make_gpu(kind, lanes, *, loss=masked_loss, scheduler=None, **kwargs):
+def make_gpu(kind, lanes, *, loss=masked_loss, scheduler=None, optimizer=None, **kwargs):
+    torch.manual_seed(0)  # the eager and the graph stage start from the same drafter
     drafter = Toy().cuda()
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=0.05)
+    make_optimizer = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=0.05))
+    optimizer = make_optimizer(drafter.parameters())
     stage = kind(
         lanes[:1],
         drafter=drafter,
@@ -431,6 +555,69 @@ def test_gpu_replayed_steps_train_as_the_eager_drafter_does(gpu_lanes, clip):
     assert sorted(lane["buckets"]) == sorted(buckets)
     assert (lane["step"], lane["step_eager_runs"], lane["step_replays"]) == ("graph", 1, 7)
     assert stats["fallbacks"] == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_gpu_each_capturable_optimizer_replays_its_step_as_eager_steps(gpu_lanes, kind):
+    data = on_gpu(microbatches(12, seed=5))
+    eager, eager_drafter = make_gpu(EagerDrafter, gpu_lanes, optimizer=OPTIMIZERS[kind])
+    graphs_, graph_drafter = make_gpu(
+        DrafterGraphs, gpu_lanes, optimizer=OPTIMIZERS[kind], **GRAPHS
+    )
+    expected = train_steps(eager, data), eager_drafter
+    got = train_steps(graphs_, data), graph_drafter
+    assert_same_training(got, expected, rtol=1e-3, atol=1e-4)
+    stats = graphs_.stats()
+    lane = stats["lanes"][gpu_lanes[0].label]
+    assert (lane["step"], lane["step_eager_runs"], lane["step_replays"]) == ("graph", 1, 5)
+    assert lane["capture_failures"] == 0 and stats["fallbacks"] == {}
+
+
+@pytest.mark.gpu
+def test_gpu_an_optimizer_with_host_state_steps_eagerly_beside_replayed_buckets(gpu_lanes):
+    adagrad = lambda ps: torch.optim.Adagrad(ps, lr=0.1)  # noqa: E731 - its step count on the host
+    data = on_gpu(microbatches(8, seed=6))
+    eager, eager_drafter = make_gpu(EagerDrafter, gpu_lanes, optimizer=adagrad)
+    graphs_, graph_drafter = make_gpu(DrafterGraphs, gpu_lanes, optimizer=adagrad, **GRAPHS)
+    expected = train_steps(eager, data), eager_drafter
+    with pytest.warns(GraphFallbackWarning, match="optimizer not capturable"):
+        got = train_steps(graphs_, data), graph_drafter
+    assert_same_training(got, expected, rtol=1e-3, atol=1e-4)
+    lane = graphs_.stats()["lanes"][gpu_lanes[0].label]
+    assert (lane["step"], lane["step_replays"]) == ("eager", 0)
+    assert lane["replays"] > 0 and lane["capture_failures"] == 0
+
+
+@pytest.mark.gpu
+def test_gpu_a_dropped_only_bucket_gives_its_pool_bytes_back(gpu_lanes):
+    """Issue 31: the policy dropped a lane's only bucket graph and its pool kept 13.6 GB.
+    A forward that keeps the GPU busy is dropped as GPU-bound; its pool must hold 0 bytes
+    after, while the step graph, in a pool of its own, keeps replaying."""
+    from pydflash.graph_cache import pool_bytes
+
+    width = 4096
+    weight = torch.randn(width, width, device="cuda") / width**0.5
+
+    def heavy(drafter, inputs, lengths=None):
+        x = inputs["h"].new_zeros(inputs["h"].shape[0], 2048, width)
+        for _ in range(8):
+            x = torch.tanh(x @ weight)
+        return masked_loss(drafter, inputs, lengths) + 0 * x.sum()
+
+    stage, _ = make_gpu(DrafterGraphs, gpu_lanes, loss=heavy, lengths=(16,))
+    data = on_gpu(microbatches(12, seed=8, lengths=(16,)))
+    train_steps(stage, data)
+    cache = stage._graphs.lane(gpu_lanes[0])
+    stats = stage.stats()
+    lane = stats["lanes"][gpu_lanes[0].label]
+    assert [e["bucket"] for e in stats["eager_buckets"]] != []
+    assert lane["buckets"] == [] and lane["pools_released"] >= 1 and lane["released_bytes"] > 0
+    (step_pool,) = cache.pools.values()
+    assert lane["pool_bytes"] == pool_bytes(step_pool.handle, gpu_lanes[0].device_index)
+    assert lane["step"] == "graph"
+    for pool in cache.retiring:
+        raise AssertionError(f"a pool still holds {pool.bytes} bytes")
 
 
 @pytest.mark.gpu

@@ -111,22 +111,36 @@ def test_cpu_pipelines_take_the_python_path():
         assert pipe.stats()["native_microbatches"] == 0
 
 
-def test_only_graph_stages_that_pad_with_zeros_qualify(monkeypatch):
+def test_only_graph_stages_that_pad_with_zeros_qualify():
     class GpuLane:
         is_gpu = True
 
     lanes = [GpuLane(), GpuLane()]
-    drafter = DrafterGraphs.__new__(DrafterGraphs)
-    drafter.pad_value = 0
-    target = pydflash.TargetGraphs(lambda batch: batch)
-    assert NativeMicrobatches.of([target], lanes[:1], drafter, lanes[1:], 2) is not None
-    eager = EagerDrafter.__new__(EagerDrafter)
-    assert NativeMicrobatches.of([target], lanes[:1], eager, lanes[1:], 2) is None
-    assert NativeMicrobatches.of([lambda b: b], lanes[:1], drafter, lanes[1:], 2) is None
-    padded = pydflash.TargetGraphs(lambda batch: batch, pad_value={"y": -100})
-    assert NativeMicrobatches.of([padded], lanes[:1], drafter, lanes[1:], 2) is None
-    drafter.pad_value = {"h": 0.0, "y": 0}
-    assert NativeMicrobatches.of([target], lanes[:1], drafter, lanes[1:], 2) is not None
+
+    def graph_drafter(cpu, pad_value=0):
+        drafter = Toy()
+        return DrafterGraphs(
+            [cpu],
+            drafter=drafter,
+            loss=masked_loss,
+            optimizer=torch.optim.AdamW(drafter.parameters()),
+            accumulate=2,
+            pad_value=pad_value,
+        )
+
+    with pydflash.Dispatcher(["cpu"]) as d:
+        drafter = graph_drafter(d.lanes[0])
+        target = pydflash.TargetGraphs(lambda batch: batch)
+        assert NativeMicrobatches.of([target], lanes[:1], drafter, lanes[1:], 2) is not None
+        eager = EagerDrafter.__new__(EagerDrafter)
+        assert NativeMicrobatches.of([target], lanes[:1], eager, lanes[1:], 2) is None
+        assert NativeMicrobatches.of([lambda b: b], lanes[:1], drafter, lanes[1:], 2) is None
+        padded = pydflash.TargetGraphs(lambda batch: batch, pad_value={"y": -100})
+        assert NativeMicrobatches.of([padded], lanes[:1], drafter, lanes[1:], 2) is None
+        zeros = graph_drafter(d.lanes[0], pad_value={"h": 0.0, "y": 0})
+        assert NativeMicrobatches.of([target], lanes[:1], zeros, lanes[1:], 2) is not None
+        nonzero = graph_drafter(d.lanes[0], pad_value={"h": 0.0, "y": -1})
+        assert NativeMicrobatches.of([target], lanes[:1], nonzero, lanes[1:], 2) is None
 
 
 # --- on a GPU --------------------------------------------------------------------------------

@@ -367,7 +367,7 @@ class LaneGraphCache:
 
     def exec_handle(self, entry: GraphEntry) -> int:
         """The cudaGraphExec_t of `entry`'s graph for a native launch on this lane, looked
-        up once (pydflash/graph_exec.py); GraphCaptureError where torch has none."""
+        up once (pydflash/lanes/graph_exec.py); GraphCaptureError where torch has none."""
         if entry.exec_handle is None:
             from ..lanes.graph_exec import graph_exec_handle
 

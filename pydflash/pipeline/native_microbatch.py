@@ -5,7 +5,10 @@ Note [Native microbatch]: once both stages hold a graph for a microbatch's bucke
 and replayed once in Python), the pipeline's per-microbatch Python is bookkeeping, and the
 stages' tasks would spend more host time than the GPU spends on the graphs. Then
 `Pipeline` submits two stream programs (`Lane.submit_program`, Note [Program tasks] in
-csrc/python/tasks.cpp) instead of two Python tasks:
+csrc/python/tasks.cpp) instead of two Python tasks. What to launch comes from each stage
+through one method, `native_launch(lane, b, t, spec, signature)` (TargetStage,
+DrafterStage), as a `pydflash.graphs.bucketed.NativeLaunch`; a stage that says
+`launches_natively` may give one, any other never does:
 
 - on the target lane: the batch copied into the target graph's static inputs, padding
   filled; the target graph; a wait for the replica's previous drafter work; the outputs'
@@ -35,12 +38,10 @@ import torch
 
 from .._tree import flatten
 from ..errors import GraphCaptureError
-from ..graphs.buckets import CUT_BATCH, CUT_BOTH, batch_shape
+from ..graphs.bucketed import NativeLaunch
+from ..graphs.buckets import CUT_BATCH, CUT_BOTH, batch_shape, signature
 from ..lanes._future import Future
-from ..lanes.graph_exec import graph_exec_handle
 from ..lanes.lane import Lane
-from .stages.drafter_graphs import DrafterGraphs
-from .stages.target_graphs import TargetGraphs
 
 # Op kinds, as csrc/core/stream_program.h numbers them.
 COPY, FILL, FILL_I64, GRAPH, WAIT_INPUT, RECORD = range(6)
@@ -71,12 +72,6 @@ def row_pitch(x: torch.Tensor) -> int:
     return (x.stride(0) if x.dim() >= 2 else 1) * x.element_size()
 
 
-def zero_pads(pad_value: Any) -> bool:
-    """Whether a stage pads with 0 everywhere: what a byte fill writes."""
-    values = pad_value.values() if isinstance(pad_value, dict) else (pad_value,)
-    return all(v == 0 for v in values)
-
-
 class NativeMicrobatches:
     """Submits a pipeline's microbatches as stream programs where they qualify (see the
     module's note). Used by `Pipeline` on its driving thread."""
@@ -84,7 +79,7 @@ class NativeMicrobatches:
     def __init__(
         self,
         targets: Sequence[Any],
-        drafter: DrafterGraphs,
+        drafter: Any,
         drafter_lanes: Sequence[Lane],
         depth: int,
     ) -> None:
@@ -106,11 +101,11 @@ class NativeMicrobatches:
         depth: int,
     ) -> NativeMicrobatches | None:
         """The helper for these stages, or None when no microbatch could qualify."""
-        if not isinstance(drafter, DrafterGraphs) or not zero_pads(drafter.pad_value):
+        if not getattr(drafter, "launches_natively", False):
             return None
         if not all(lane.is_gpu for lane in (*target_lanes, *drafter_lanes)):
             return None
-        usable = [isinstance(t, TargetGraphs) and zero_pads(t.pad_value) for t in targets]
+        usable = [getattr(t, "launches_natively", False) for t in targets]
         if not any(usable):
             return None
         return cls(
@@ -156,45 +151,37 @@ class NativeMicrobatches:
             b, t = batch_shape(leaves)
         except ValueError:
             return None  # the Python path reports it
-        t_entry = stage.ready(t_lane, leaves, spec, b, t)
-        if t_entry is None:
-            return None
-        out = t_entry.data
-        if not all(
-            _cut_in_place(x, kind) for x, kind in zip(out.out_leaves, out.out_cuts, strict=True)
-        ):
-            return None
-        d_entry = self._drafter.ready(replica, out.out_spec, out.out_signature, b, t)
-        if d_entry is None:
-            return None
         try:
-            t_exec = _exec_handle(t_entry, t_lane)
-            d_exec = _exec_handle(d_entry, d_lane)
+            t_launch = stage.native_launch(t_lane, b, t, spec, signature(leaves))
+            if t_launch is None or not all(
+                _cut_in_place(x, kind)
+                for x, kind in zip(t_launch.outputs, t_launch.out_cuts, strict=True)
+            ):
+                return None
+            d_launch = self._drafter.native_launch(
+                d_lane, b, t, t_launch.out_spec, t_launch.out_signature
+            )
         except GraphCaptureError:
             self._handles_ok = False  # a torch without raw graph handles: never again
             return None
+        if d_launch is None:
+            return None
 
         ops: list[tuple[int, ...]] = []
-        for buffer, x in zip(out.inputs, leaves, strict=True):
-            if isinstance(x, torch.Tensor):
-                copy_padded_ops(ops, buffer, x.data_ptr(), row_pitch(x), b, t)
-        ops.append((GRAPH, t_exec))
+        _copy_in(ops, t_launch.inputs, leaves, b, t)
+        ops.append((GRAPH, t_launch.exec_handle))
         ops.append((WAIT_INPUT,))
-        static_in = d_entry.data
-        for buffer, x in zip(static_in.inputs, out.out_leaves, strict=True):
-            if isinstance(x, torch.Tensor):
-                copy_padded_ops(ops, buffer, x.data_ptr(), row_pitch(x), b, t)
-        lengths = static_in.lengths
-        loss = torch.empty_like(d_entry.outputs)
+        _copy_in(ops, d_launch.inputs, t_launch.outputs, b, t)
+        (static_loss,) = d_launch.outputs
+        loss = torch.empty_like(static_loss)
         loss.record_stream(d_lane.stream)
         event = self._event(d_lane, k)
-        d_ops = [(WAIT_INPUT,), (FILL_I64, lengths.data_ptr(), b, t)]
-        if b < lengths.shape[0]:
-            d_ops.append((FILL_I64, lengths.data_ptr() + 8 * b, lengths.shape[0] - b, 0))
+        d_ops: list[tuple[int, ...]] = [(WAIT_INPUT,)]
+        _fill_lengths(d_ops, d_launch, b, t)
         nbytes = loss.nbytes
         d_ops += [
-            (GRAPH, d_exec),
-            (COPY, loss.data_ptr(), nbytes, d_entry.outputs.data_ptr(), nbytes, nbytes, 1),
+            (GRAPH, d_launch.exec_handle),
+            (COPY, loss.data_ptr(), nbytes, static_loss.data_ptr(), nbytes, nbytes, 1),
             (RECORD, event.cuda_event),
         ]
         target = t_lane.submit_program(ops, after=previous)
@@ -204,10 +191,10 @@ class NativeMicrobatches:
             target.cancel()
             raise
         drafter.replace_result(loss)
-        stage.replayed_natively(t_lane, t_entry, b, t)
-        self._drafter.replayed_natively(replica, d_entry, b, t)
+        t_launch.count()
+        d_launch.count()
         self.submitted += 1
-        return target, drafter, event, (leaves, t_entry, d_entry)
+        return target, drafter, event, (leaves, t_launch.keep, d_launch.keep)
 
     def _event(self, lane: Lane, k: int) -> torch.cuda.Event:
         """Flight k's event on `lane`: blocking, so the window's wait for it sleeps."""
@@ -242,7 +229,19 @@ def _cut_in_place(x: Any, kind: int) -> bool:
     return (kind == CUT_BOTH and x.dim() >= 2) or (kind == CUT_BATCH and x.dim() == 1)
 
 
-def _exec_handle(entry: Any, lane: Lane) -> int:
-    if entry.exec_handle is None:
-        entry.exec_handle, _ = graph_exec_handle(entry.graph, lane)
-    return entry.exec_handle
+def _copy_in(ops: list, buffers: list[Any], sources: list[Any], b: int, t: int) -> None:
+    """The ops that copy each tensor of `sources` into its static buffer, padding
+    zero-filled."""
+    for buffer, x in zip(buffers, sources, strict=True):
+        if isinstance(x, torch.Tensor):
+            copy_padded_ops(ops, buffer, x.data_ptr(), row_pitch(x), b, t)
+
+
+def _fill_lengths(ops: list, launch: NativeLaunch, b: int, t: int) -> None:
+    """The ops that write the real lengths (Note [Padding contract]): t for b rows, 0 after."""
+    lengths = launch.lengths
+    if lengths is None:
+        return
+    ops.append((FILL_I64, lengths.data_ptr(), b, t))
+    if b < lengths.shape[0]:
+        ops.append((FILL_I64, lengths.data_ptr() + 8 * b, lengths.shape[0] - b, 0))

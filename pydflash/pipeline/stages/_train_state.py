@@ -33,25 +33,66 @@ def flat_gradients(
 
 
 def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> list:
-    """Sets `capturable=True` in the param groups that have the option (not fused ones),
-    with `lr` as a one-element float32 tensor on `device` and any step counts moved
-    there; returns (group, "lr", tensor) for each such group."""
+    """Note [Capturable optimizers]: sets `capturable=True` in every param group that has
+    the option, fused ones included (torch's fused Adam and AdamW take it: their steps
+    already live on the device, and a tensor `lr` on the device is read there), with `lr`
+    as a one-element float32 tensor on `device`, and the optimizer's existing state moved
+    where torch's own `load_state_dict` puts it for a capturable group: scalar state
+    (`step`, ASGD's `eta` and `mu`, NAdam's `mu_product`) on the parameter's device,
+    `step` as float32. Returns (group, "lr", tensor) for each such group.
+
+    The stage runs the first step eagerly on purpose (it creates the state outside any
+    graph), so torch's one warning that a capturable optimizer ran uncaptured is marked
+    as given."""
     made = []
     for group in optimizer.param_groups:
-        if "capturable" not in group or group.get("fused"):
+        if "capturable" not in group:
             continue
         group["capturable"] = True
         for p in group["params"]:
             state = optimizer.state.get(p, {})
-            step = state.get("step")
-            if isinstance(step, torch.Tensor) and step.device != device:
-                state["step"] = step.to(device, torch.float32)
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and value.device != p.device:
+                    state[key] = value.to(p.device, torch.float32 if key == "step" else None)
         if not isinstance(group["lr"], torch.Tensor):
             group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
         elif group["lr"].device != device:  # a graph would bake in a host tensor's value
             group["lr"] = group["lr"].to(device)
         made.append((group, "lr", group["lr"]))
+    if made:
+        # torch.optim.Optimizer's _accelerator_graph_capture_health_check warns once per
+        # optimizer, keyed by this attribute, when a capturable step runs uncaptured.
+        optimizer._warned_capturable_if_run_uncaptured = True  # type: ignore[attr-defined]
     return made
+
+
+def host_state(optimizer: torch.optim.Optimizer, device: torch.device) -> str | None:
+    """What of the optimizer's state a captured step could not keep up to date, or None:
+    a replay runs only GPU work, so state on the host (a Python number, a CPU tensor such
+    as a step count of an optimizer without `capturable`) would stay as captured, and a
+    group whose `capturable` is False refuses capture. Read after the first step, once
+    the state exists."""
+    for group in optimizer.param_groups:
+        if group.get("capturable") is False:
+            return f"a param group of {type(optimizer).__name__} has capturable=False"
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                if not _same_device(value.device, device):
+                    return (
+                        f"{type(optimizer).__name__} keeps state[{key!r}] on {value.device}, "
+                        f"not on {device}"
+                    )
+            elif value is not None:
+                return (
+                    f"{type(optimizer).__name__} keeps state[{key!r}] on the host "
+                    f"({type(value).__name__})"
+                )
+    return None
+
+
+def _same_device(have: torch.device, want: torch.device) -> bool:
+    return have.type == want.type and (want.index is None or have.index in (None, want.index))
 
 
 def restore_tensor_hypers(tensor_hypers: list) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +14,9 @@ from ..._checks import per_lane
 from ...lanes.handoff import hand_to_lane
 from ...lanes.lane import Lane
 from .._failures import stage_error
+
+if TYPE_CHECKING:
+    from ...graphs.bucketed import NativeLaunch
 
 #: Gradients of a replica's trainable parameters, in parameter order (None: no gradient).
 Gradients = list[torch.Tensor | None]
@@ -55,6 +59,17 @@ class DrafterStage:
         """Drops `replica`'s gradient: a run starts a step afresh."""
         raise NotImplementedError
 
+    #: Whether `native_launch` may return launches (the graph stage that pads with 0).
+    launches_natively = False
+
+    def native_launch(
+        self, lane: Lane, b: int, t: int, spec: Any, sig: tuple
+    ) -> NativeLaunch | None:
+        """What a stream program may launch in place of `train` on `lane` (the replica's)
+        for a [b, t] microbatch whose inputs have tree `spec` and signature `sig`, or
+        None: submit the task. As `TargetStage.native_launch`."""
+        return None
+
     #: The total gradient norm each step clips to, or None.
     clip_grad_norm: float | None = None
 
@@ -75,6 +90,91 @@ class DrafterStage:
             raise ValueError(
                 f"expected no {', '.join(extra)} beside a drafter stage (it holds its own)"
             )
+
+
+@dataclass
+class DrafterTraining:
+    """What a drafter stage trains, checked, one entry per drafter lane (replica): the
+    pieces `EagerDrafter` and `pydflash.DrafterGraphs` share. Made by `of`."""
+
+    lanes: list[Lane]
+    drafters: list[torch.nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list[Any] | None
+    loss: Callable[..., torch.Tensor]
+    accumulate: int
+    clip_grad_norm: float | None
+    ddp: list[bool]  # a DistributedDataParallel drafter, per replica
+    params: list[list[torch.nn.Parameter]]  # each replica's trainable parameters
+
+    @classmethod
+    def of(
+        cls,
+        lanes: Sequence[Lane],
+        *,
+        drafter: torch.nn.Module | Sequence[torch.nn.Module],
+        loss: Callable[..., torch.Tensor],
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        accumulate: int,
+        clip_grad_norm: float | None = None,
+        scheduler: Any = None,
+    ) -> DrafterTraining:
+        """The arguments of a drafter stage (`EagerDrafter` documents them), checked."""
+        lanes = list(lanes)
+        count = len(lanes)
+
+        def one_each(value: Any, name: str, kind: str, accepts: Callable[[Any], bool]) -> list:
+            return per_lane(value, count, name, kind, accepts, one_each="drafter lane")
+
+        drafters = one_each(drafter, "drafter", "a torch.nn.Module", _is_module)
+        optimizers = one_each(optimizer, "optimizer", "a torch.optim.Optimizer", _is_optimizer)
+        schedulers = (
+            None
+            if scheduler is None
+            else one_each(scheduler, "scheduler", "an object with step()", _has_step)
+        )
+        if not callable(loss):
+            raise TypeError(f"expected a callable loss(drafter, inputs), got {type(loss).__name__}")
+        if clip_grad_norm is not None and not (
+            isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0
+        ):
+            raise ValueError(f"expected clip_grad_norm > 0 or None, got {clip_grad_norm!r}")
+        ddp = [isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in drafters]
+        if any(ddp) and count > 1:
+            raise ValueError(
+                f"expected one drafter lane per process with DistributedDataParallel, got {count}"
+            )
+        params = [[p for p in m.parameters() if p.requires_grad] for m in drafters]
+        training = cls(
+            lanes, drafters, optimizers, schedulers, loss, accumulate, clip_grad_norm, ddp, params
+        )
+        training._check_replicas()
+        return training
+
+    def _check_replicas(self) -> None:
+        shapes = [tuple(p.shape for p in params) for params in self.params]
+        for r, (module, lane) in enumerate(zip(self.drafters, self.lanes, strict=True)):
+            if shapes[r] != shapes[0]:
+                raise ValueError(
+                    f"expected drafter replicas of one shape, drafter {r} differs from 0"
+                )
+            expected = torch.device(lane.device)
+            for p in module.parameters():
+                if p.device != expected:
+                    raise ValueError(
+                        f"expected drafter {r}'s parameters on {expected} (its lane's device), "
+                        f"got one on {p.device}"
+                    )
+            owned = {id(p) for p in module.parameters()}
+            for group in self.optimizers[r].param_groups:
+                if any(id(p) not in owned for p in group["params"]):
+                    raise ValueError(
+                        f"expected optimizer {r} over drafter {r}'s parameters, got others"
+                    )
+
+    def step_schedulers(self, replica: int) -> None:
+        if self.schedulers is not None:
+            self.schedulers[replica].step()
 
 
 class EagerDrafter(DrafterStage):
@@ -104,69 +204,27 @@ class EagerDrafter(DrafterStage):
         clip_grad_norm: float | None = None,
         scheduler: Any = None,
     ) -> None:
-        self.lanes = list(lanes)
-        count = len(self.lanes)
-
-        def one_each(value: Any, name: str, kind: str, accepts: Callable[[Any], bool]) -> list:
-            return per_lane(value, count, name, kind, accepts, one_each="drafter lane")
-
-        self._drafters = one_each(drafter, "drafter", "a torch.nn.Module", _is_module)
-        self._optimizers = one_each(
-            optimizer, "optimizer", "a torch.optim.Optimizer", _is_optimizer
+        self.training = DrafterTraining.of(
+            lanes,
+            drafter=drafter,
+            loss=loss,
+            optimizer=optimizer,
+            accumulate=accumulate,
+            clip_grad_norm=clip_grad_norm,
+            scheduler=scheduler,
         )
-        self._schedulers = (
-            None
-            if scheduler is None
-            else one_each(scheduler, "scheduler", "an object with step()", _has_step)
-        )
-        if not callable(loss):
-            raise TypeError(f"expected a callable loss(drafter, inputs), got {type(loss).__name__}")
-        self._loss = loss
+        self.lanes = self.training.lanes
         self.accumulate = accumulate
-        if clip_grad_norm is not None and not (
-            isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0
-        ):
-            raise ValueError(f"expected clip_grad_norm > 0 or None, got {clip_grad_norm!r}")
         self.clip_grad_norm = clip_grad_norm
-        self._ddp = [
-            isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in self._drafters
-        ]
-        if any(self._ddp) and count > 1:
-            raise ValueError(
-                f"expected one drafter lane per process with DistributedDataParallel, got {count}"
-            )
-        self._params = [[p for p in m.parameters() if p.requires_grad] for m in self._drafters]
-        self._check_replicas()
-
-    def _check_replicas(self) -> None:
-        shapes = [tuple(p.shape for p in params) for params in self._params]
-        for r, (module, lane) in enumerate(zip(self._drafters, self.lanes, strict=True)):
-            if shapes[r] != shapes[0]:
-                raise ValueError(
-                    f"expected drafter replicas of one shape, drafter {r} differs from 0"
-                )
-            expected = torch.device(lane.device)
-            for p in module.parameters():
-                if p.device != expected:
-                    raise ValueError(
-                        f"expected drafter {r}'s parameters on {expected} (its lane's device), "
-                        f"got one on {p.device}"
-                    )
-            owned = {id(p) for p in module.parameters()}
-            for group in self._optimizers[r].param_groups:
-                if any(id(p) not in owned for p in group["params"]):
-                    raise ValueError(
-                        f"expected optimizer {r} over drafter {r}'s parameters, got others"
-                    )
 
     # --- the lane tasks -----------------------------------------------------------------
     def train(self, replica: int, inputs: Any, *, all_reduce: bool) -> torch.Tensor:
-        model = self._drafters[replica]
-        no_sync = (
-            model.no_sync() if self._ddp[replica] and not all_reduce else contextlib.nullcontext()
-        )
+        training = self.training
+        model = training.drafters[replica]
+        ddp = training.ddp[replica]
+        no_sync = model.no_sync() if ddp and not all_reduce else contextlib.nullcontext()
         with no_sync, torch.enable_grad():
-            loss = self._loss(model, inputs)
+            loss = training.loss(model, inputs)
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
                 raise TypeError(f"expected loss() to return a scalar tensor, got {_describe(loss)}")
             # Backward on this thread, so it sees the lane's streams and thread state.
@@ -177,9 +235,10 @@ class EagerDrafter(DrafterStage):
     def reduce(self, step: int, after: Sequence[Any]) -> Gradients:
         lane0 = self.lanes[0]
         try:
-            total = [None if p.grad is None else p.grad.clone() for p in self._params[0]]
+            params = self.training.params
+            total = [None if p.grad is None else p.grad.clone() for p in params[0]]
             for r in range(1, len(self.lanes)):
-                grads = [p.grad for p in self._params[r]]
+                grads = [p.grad for p in params[r]]
                 grads, _ = hand_to_lane(grads, self.lanes[r], after[r], lane0)
                 for i, grad in enumerate(grads):
                     if grad is None:
@@ -194,7 +253,8 @@ class EagerDrafter(DrafterStage):
 
     def step(self, step: int, replica: int, reduced: tuple[Gradients, Any] | None) -> None:
         lane = self.lanes[replica]
-        params = self._params[replica]
+        params = self.training.params[replica]
+        optimizer = self.training.optimizers[replica]
         if reduced is not None:
             total, event = reduced
             try:
@@ -207,15 +267,14 @@ class EagerDrafter(DrafterStage):
         try:
             if self.clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-            self._optimizers[replica].step()
-            self._optimizers[replica].zero_grad(set_to_none=True)
-            if self._schedulers is not None:
-                self._schedulers[replica].step()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            self.training.step_schedulers(replica)
         except BaseException as exc:
             raise stage_error("optimizer", None, lane, exc, step=step) from exc
 
     def zero_grad(self, replica: int) -> None:
-        for p in self._params[replica]:
+        for p in self.training.params[replica]:
             p.grad = None
 
 

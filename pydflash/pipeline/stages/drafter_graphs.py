@@ -37,12 +37,18 @@ is captured the first time a microbatch of that bucket reaches a replica: `warmu
 forward/backward passes (lazy initialisation, autotuning), then the capture, which runs
 nothing; the gradients the warm-up added are restored, and the graph replays the real
 microbatch. The step graph is captured at the second step: the first runs eagerly and
-creates the optimizer's state outside any graph. Autocast's weight cache is off while the
-loss is warmed up and captured (a `torch.autocast` inside the loss inherits that: a
-cached cast would be freed while the graph still reads it). Optimizers with a
-`capturable` option (Adam, AdamW, ...) get `capturable=True` and a one-element tensor
-`lr` on the lane's device, so a scheduler's new rate, written into that tensor, reaches
-the replayed step without a new capture. A hyperparameter that is not a tensor is baked
+creates the optimizer's state outside any graph. It lives in a memory pool of its own
+("optimizer step"), so a lane whose bucket graphs the policy all dropped gives their pool
+back (Note [Giving a pool back] in pydflash/graphs/cache.py). Autocast's weight cache is
+off while the loss is warmed up and captured (a `torch.autocast` inside the loss inherits
+that: a cached cast would be freed while the graph still reads it). Optimizers with a
+`capturable` option (Adam, AdamW, fused or not, and every other torch optimizer that has
+it) get `capturable=True` and a one-element tensor `lr` on the lane's device (Note
+[Capturable optimizers] in pydflash/pipeline/stages/_train_state.py), so a scheduler's new rate,
+written into that tensor, reaches the replayed step without a new capture. An optimizer
+whose state stays on the host after its first step (Adagrad, LBFGS, one of the user's)
+cannot be replayed: its step runs eagerly while the microbatch graphs keep replaying,
+said once ("optimizer not capturable"). A hyperparameter that is not a tensor is baked
 into the step graph: when it changes, the step runs eagerly from then on, with a warning.
 
 Fallback: a length above the largest bucket, a loss or optimizer that cannot be captured
@@ -70,20 +76,16 @@ from torch.utils import _pytree as pytree
 
 from ..._tree import flatten
 from ...graphs import cache as graph_cache
+from ...graphs.bucketed import BucketedGraphs, GraphKey, NativeLaunch
 from ...graphs.buckets import (
-    Bucket,
-    PaddingTally,
+    WHOLE,
     above_largest,
-    as_pair,
     batch_shape,
-    bucket_options,
-    choose_bucket,
     copy_padded,
     pad,
     pad_values,
-    signature,
 )
-from ...graphs.cache import GraphCache
+from ...graphs.cache import Policy
 from ...graphs.lane_graph import DEFAULT_QUIET_TIMEOUT
 from ...lanes.handoff import hand_to_lane
 from ...lanes.lane import Lane
@@ -91,16 +93,17 @@ from .._failures import stage_error
 from ._train_state import (
     all_reduce_mean,
     flat_gradients,
+    host_state,
     lengths_tensor,
     make_capturable,
     plain_hypers,
     restore_tensor_hypers,
     set_lengths,
 )
-from .drafter import EagerDrafter, Gradients
+from .drafter import DrafterStage, DrafterTraining, Gradients
 
 DEFAULT_WARMUP = 3
-STEP = "optimizer step"  # the step graph's key and label in the lane's graph cache
+STEP = "optimizer step"  # the step graph's key, label and pool in the lane's graph cache
 
 
 @dataclass
@@ -125,11 +128,12 @@ class _Replica:
     process_group: Any = None  # a DDP drafter's: all-reduced in the step
     stepped: bool = False  # the optimizer's state exists
     step_hypers: list | None = None  # the plain hyperparameters the step graph bakes in
+    step_checked: bool = False  # host_state() read after the first step
     step_replays: int = 0
     step_eager_runs: int = 0
 
 
-class DrafterGraphs(EagerDrafter):
+class DrafterGraphs(DrafterStage):
     """Trains the drafter by replaying captured CUDA graphs: per (batch, length) bucket
     the microbatch's forward, loss and backward; per step the optimizer's. See the
     module's notes, Note [Padding contract] first.
@@ -145,8 +149,8 @@ class DrafterGraphs(EagerDrafter):
         batch_sizes: the bucket batch sizes; None (default) buckets each batch size alone.
         pad_value: what padding holds, or a dict of it per key of dict inputs (default 0).
         warmup: forward/backward passes before a capture.
-        max_pool_bytes, on_full, max_graphs, policy, gpu_bound_ratio, quiet_timeout: as
-            for `TargetGraphs`, per drafter lane.
+        max_pool_bytes, on_full, max_graphs, policy, gpu_bound_ratio, capture_after,
+            capture_budget, quiet_timeout: as for `TargetGraphs`, per drafter lane.
     """
 
     def __init__(
@@ -167,11 +171,13 @@ class DrafterGraphs(EagerDrafter):
         max_pool_bytes: int | None = None,
         on_full: str = "eager",
         max_graphs: int | None = None,
-        policy: str = "auto",
+        policy: Policy | str = Policy.AUTO,
         gpu_bound_ratio: float = graph_cache.DEFAULT_GPU_BOUND_RATIO,
+        capture_after: int = 1,
+        capture_budget: float | None = None,
         quiet_timeout: float = DEFAULT_QUIET_TIMEOUT,
     ) -> None:
-        super().__init__(
+        self.training = DrafterTraining.of(
             lanes,
             drafter=drafter,
             loss=loss,
@@ -180,35 +186,52 @@ class DrafterGraphs(EagerDrafter):
             clip_grad_norm=clip_grad_norm,
             scheduler=scheduler,
         )
-        self.lengths, self.batch_sizes, self.pad_value = bucket_options(
-            lengths, granularity, batch_sizes, pad_value
-        )
-        self._cache = GraphCache(
+        self.lanes = self.training.lanes
+        self.accumulate = accumulate
+        self.clip_grad_norm = clip_grad_norm
+        self._graphs = BucketedGraphs(
             f"pydflash.DrafterGraphs {id(self):x}",
+            lengths=lengths,
+            granularity=granularity,
+            batch_sizes=batch_sizes,
+            pad_value=pad_value,
             warmup=warmup,
             max_graphs=max_graphs,
             max_pool_bytes=max_pool_bytes,
             on_full=on_full,
             policy=policy,
             gpu_bound_ratio=gpu_bound_ratio,
+            capture_after=capture_after,
+            capture_budget=capture_budget,
             quiet_timeout=quiet_timeout,
         )
-        self._padding = PaddingTally()
+        self.lengths, self.batch_sizes = self._graphs.lengths, self._graphs.batch_sizes
+        self.pad_value = self._graphs.pad_value
         self._replicas = [self._replica(r) for r in range(len(self.lanes))]
+        self._replica_of = {id(rep.lane): r for r, rep in enumerate(self._replicas)}
 
     def _replica(self, r: int) -> _Replica:
-        model, lane = self._drafters[r], self.lanes[r]
+        training = self.training
+        model, lane = training.drafters[r], self.lanes[r]
         group = None
-        if self._ddp[r]:
+        if training.ddp[r]:
             group, model = model.process_group, model.module
-        params = self._params[r]
+        params = training.params[r]
         flats, views = flat_gradients(params)
         hypers = (
-            make_capturable(self._optimizers[r], torch.device(lane.device))
+            make_capturable(training.optimizers[r], torch.device(lane.device))
             if _captures(lane)
             else []
         )
         return _Replica(lane, model, params, flats, views, hypers, process_group=group)
+
+    @property
+    def policy(self) -> Policy:
+        return self._graphs.policy
+
+    @property
+    def launches_natively(self) -> bool:  # type: ignore[override]
+        return self._graphs.zero_padded
 
     # --- DrafterStage ---------------------------------------------------------------------
     def train(self, replica: int, inputs: Any, *, all_reduce: bool) -> torch.Tensor:
@@ -216,15 +239,15 @@ class DrafterGraphs(EagerDrafter):
         rep = self._replicas[replica]
         leaves, spec = flatten(inputs)
         b, t = batch_shape(leaves)
-        cache = self._cache.lane(rep.lane)
-        bucket = choose_bucket(b, t, self.lengths, self.batch_sizes)
+        cache = self._graphs.lane(rep.lane)
+        bucket = self._graphs.bucket(b, t)
         if bucket is None:
             detail = above_largest("a microbatch", b, t, self.lengths, self.batch_sizes)
             cache.fall_back("too long", detail)
             return self._eager(rep, inputs, b, t)
         pads = pad_values(self.pad_value, inputs, leaves)
         if not _captures(rep.lane):
-            self._padding.add(b * t, bucket.batch * bucket.length)
+            self._graphs.padded(b, t, bucket)
             padded = [pad(x, bucket, p) for x, p in zip(leaves, pads, strict=True)]
             lengths = lengths_tensor(bucket.batch, b, t, leaves)
             return self._forward_backward(rep, pytree.tree_unflatten(padded, spec), lengths)
@@ -246,7 +269,7 @@ class DrafterGraphs(EagerDrafter):
 
             return step, _Static(static, lengths)
 
-        key = (bucket, spec, signature(leaves))
+        key = GraphKey.of(bucket, leaves, spec)
         try:
             entry = cache.get_or_capture(key, make, label=bucket)
         finally:
@@ -263,29 +286,19 @@ class DrafterGraphs(EagerDrafter):
                     copy_padded(buffer, x, p)
             set_lengths(static.lengths, b, t)
         cache.replay(entry)
-        self._padding.add(b * t, bucket.batch * bucket.length)
+        self._graphs.padded(b, t, bucket)
         return entry.outputs.clone()
 
-    def ready(self, replica: int, spec: Any, sig: tuple, b: int, t: int) -> Any:
-        """The GraphEntry that would train replica `replica` on [b, t] inputs of tree
-        `spec` and signature `sig`, when a stream program may launch it instead (Note
-        [Native microbatch] in pydflash/pipeline/native_microbatch.py): captured, kept by the
-        policy, replayed once here. None otherwise. Any thread."""
-        rep = self._replicas[replica]
-        bucket = choose_bucket(b, t, self.lengths, self.batch_sizes)
-        if bucket is None or not _captures(rep.lane):
+    def native_launch(
+        self, lane: Lane, b: int, t: int, spec: Any, sig: tuple
+    ) -> NativeLaunch | None:
+        """What a stream program launches in place of `train` on `lane` (Note [Native
+        microbatch] in pydflash/pipeline/native_microbatch.py): the bucket's graph, once captured,
+        kept by the policy and replayed once here; its `lengths` to fill, its loss as the
+        one output. None otherwise. Any thread."""
+        if id(lane) not in self._replica_of or not _captures(lane):
             return None
-        entry = self._cache.lane(rep.lane).ready((bucket, spec, sig))
-        if entry is None or entry.data.fresh:
-            return None
-        return entry
-
-    def replayed_natively(self, replica: int, entry: Any, b: int, t: int) -> None:
-        """Counts a replay of `entry`, whose label is its bucket, that a stream program
-        launched."""
-        self._cache.lane(self._replicas[replica].lane).replayed()
-        bucket = entry.label
-        self._padding.add(b * t, bucket.batch * bucket.length)
+        return self._graphs.native_launch(lane, b, t, spec, sig, _describe)
 
     def reduce(self, step: int, after: Sequence[Any]) -> Gradients:
         lane0 = self.lanes[0]
@@ -314,8 +327,7 @@ class DrafterGraphs(EagerDrafter):
             if rep.process_group is not None:
                 all_reduce_mean(rep.flats, rep.process_group)
             self._apply(replica, rep)
-            if self._schedulers is not None:
-                self._schedulers[replica].step()
+            self.training.step_schedulers(replica)
         except BaseException as exc:
             raise stage_error("optimizer", None, rep.lane, exc, step=step) from exc
 
@@ -328,41 +340,32 @@ class DrafterGraphs(EagerDrafter):
 
     # --- introspection ----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """As `TargetGraphs.stats()` (per lane label: the buckets captured, captures,
-        replays, eager runs, evictions, graphs dropped and pool bytes; fallbacks per kind;
-        eager_buckets; padding_waste), and per lane how its optimizer steps ran: "step"
-        is "graph" once the step graph replays, and step_replays / step_eager_runs count
-        them."""
-        cached = self._cache.stats()
+        """As `TargetGraphs.stats()` (per lane label: the buckets captured, capture
+        attempts and failures, replays, eager runs, evictions, graphs dropped, pool bytes,
+        pools given back; fallbacks per kind; eager_buckets; padding_waste; policy), and
+        per lane how its optimizer steps ran: "step" is "graph" once the step graph
+        replays, and step_replays / step_eager_runs count them."""
         by_label = {rep.lane.label: rep for rep in self._replicas}
-        lanes = {}
-        for label, s in cached["lanes"].items():
-            held = s.pop("graphs")
+
+        def steps(label: str, s: dict[str, Any]) -> dict[str, Any]:
             rep = by_label[label]
-            lanes[label] = {
-                "buckets": [as_pair(g) for g in held if isinstance(g, Bucket)],
-                **s,
-                "step": "graph" if STEP in held else ("eager" if rep.step_eager_runs else None),
+            graph = STEP in s["graphs"]
+            return {
+                "step": "graph" if graph else ("eager" if rep.step_eager_runs else None),
                 "step_replays": rep.step_replays,
                 "step_eager_runs": rep.step_eager_runs,
             }
-        eager_buckets = [{**e, "bucket": as_pair(e["bucket"])} for e in cached["eager_buckets"]]
-        return {
-            "lanes": lanes,
-            "fallbacks": cached["fallbacks"],
-            "eager_buckets": eager_buckets,
-            "padding_waste": self._padding.waste(),
-            "policy": self._cache.policy,
-        }
+
+        return self._graphs.stats(steps)
 
     def __repr__(self) -> str:
-        name = getattr(self._loss, "__qualname__", self._loss)
+        name = getattr(self.training.loss, "__qualname__", self.training.loss)
         return f"<pydflash.DrafterGraphs of {name!s} on {len(self.lanes)} lanes>"
 
     # --- a microbatch -----------------------------------------------------------------------
     def _forward_backward(self, rep: _Replica, inputs: Any, lengths: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad():
-            loss = self._loss(rep.module, inputs, lengths)
+            loss = self.training.loss(rep.module, inputs, lengths)
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
                 raise TypeError(f"expected loss() to return a scalar tensor, got {_describe(loss)}")
             # Backward on this thread, so it sees the lane's streams and thread state.
@@ -372,7 +375,7 @@ class DrafterGraphs(EagerDrafter):
 
     def _eager(self, rep: _Replica, inputs: Any, b: int, t: int) -> torch.Tensor:
         """The microbatch unpadded: every row real."""
-        self._padding.add(b * t, b * t)
+        self._graphs.padded(b, t)
         lengths = lengths_tensor(b, b, t, pytree.tree_leaves(inputs))
         return self._forward_backward(rep, inputs, lengths)
 
@@ -380,16 +383,18 @@ class DrafterGraphs(EagerDrafter):
     def _apply(self, replica: int, rep: _Replica) -> None:
         """Clipping, the optimizer step and zeroed gradients: replayed, or eagerly."""
         restore_tensor_hypers(rep.tensor_hypers)
-        if _captures(rep.lane) and rep.stepped:
-            cache = self._cache.lane(rep.lane)
-            hypers = plain_hypers(self._optimizers[replica])
+        if _captures(rep.lane) and rep.stepped and self._step_capturable(replica, rep):
+            cache = self._graphs.lane(rep.lane)
+            hypers = plain_hypers(self.training.optimizers[replica])
             if rep.step_hypers is None or hypers == rep.step_hypers:
                 entry = cache.get_or_capture(
                     STEP,
                     lambda: ((lambda: self._step_body(replica, rep)), None),
                     label=STEP,
+                    pool=STEP,  # its own: bucket graphs dropped give their pool back
                     warmup=0,  # the first, eager step was the warm-up
                     timed=False,  # a replay must not be repeated to be timed
+                    ahead=True,  # every step runs it
                 )
                 if entry is not None:
                     rep.step_hypers = hypers
@@ -406,14 +411,37 @@ class DrafterGraphs(EagerDrafter):
         rep.stepped = True
         rep.step_eager_runs += 1
 
+    def _step_capturable(self, replica: int, rep: _Replica) -> bool:
+        """Whether replica's optimizer step may be captured: read once, after its first
+        step created the state (Note [Capturable optimizers]); if not, said once."""
+        if not rep.step_checked:
+            rep.step_checked = True
+            why = host_state(self.training.optimizers[replica], torch.device(rep.lane.device))
+            if why is not None:
+                self._graphs.lane(rep.lane).refuse(
+                    STEP,
+                    "optimizer not capturable",
+                    f"{why}; its step runs eagerly while the microbatch graphs keep replaying",
+                )
+                return False
+        return True  # a refused step is recorded: get_or_capture runs it eagerly
+
     def _step_body(self, replica: int, rep: _Replica) -> None:
         if self.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(rep.params, self.clip_grad_norm)
-        self._optimizers[replica].step()
+        self.training.optimizers[replica].step()
         for flat in rep.flats:
             flat.zero_()
 
     # --- helpers ----------------------------------------------------------------------------
+
+
+def _describe(entry: Any) -> tuple | None:
+    """DrafterGraphs' part of a NativeLaunch (pydflash.graphs.bucketed.Describe)."""
+    static: _Static = entry.data
+    if static.fresh:
+        return None  # not replayed in Python yet
+    return (static.inputs, static.lengths, [entry.outputs], None, [WHOLE], ())
 
 
 def _captures(lane: Lane) -> bool:

@@ -5,7 +5,7 @@ stage that replays captured CUDA graphs."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +13,9 @@ from ...lanes._future import Future
 from ...lanes._torch_state import match_intra_op_threads
 from ...lanes.handoff import map_tensors, to_lane
 from ...lanes.lane import Lane
+
+if TYPE_CHECKING:
+    from ...graphs.bucketed import NativeLaunch
 
 
 class TargetStage:
@@ -32,6 +35,18 @@ class TargetStage:
     def release(self, result: Any, event: Any) -> None:
         """Called with a result the drafter is done with once `event` (a torch.cuda.Event)
         has passed on the GPU; only stages that recycle their buffers act on it."""
+
+    #: Whether `native_launch` may return launches (the graph stages that pad with 0).
+    launches_natively = False
+
+    def native_launch(
+        self, lane: Lane, b: int, t: int, spec: Any, sig: tuple
+    ) -> NativeLaunch | None:
+        """What a stream program may launch in place of this stage's task for a [b, t]
+        microbatch whose inputs have tree `spec` and signature `sig` (pydflash.buckets),
+        or None: submit the task. The one interface of Note [Native microbatch]
+        (pydflash/pipeline/native_microbatch.py); see pydflash.graphs.bucketed.NativeLaunch."""
+        return None
 
 
 class EagerTarget(TargetStage):

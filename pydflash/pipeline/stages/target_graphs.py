@@ -29,11 +29,19 @@ of the eager time runs eagerly and unpadded from then on (`stats()["eager_bucket
 `stats()["padding_waste"]` is the fraction of processed tokens that were padding.
 
 Fallback: when no graph can serve (a length above the largest bucket, a capture that
-fails, the device's other lanes not pausing in time, the pool's byte cap), the batch runs
+fails, the device's other lanes not pausing in time, the pool's byte cap, outputs that
+cannot be cut back: Note [Outputs cut back]), the batch runs
 eagerly, unpadded, and a GraphFallbackWarning says why, once per kind; `stats()["fallbacks"]`
 counts each kind and keeps its latest detail. Only an error that the eager forward raises
 too reaches the caller. On CPU lanes there are no graphs: batches take the same padded
 path, run eagerly.
+
+Note [Outputs cut back]: a padded forward's outputs are cut back to the batch by their
+shape (Note [Bucket padding] in pydflash/graphs/buckets.py): [Bb, Tb, ...] to [B, T, ...], [Bb, ...]
+to [B, ...], and a 0-dim tensor or a value that is not a tensor is returned as it is. A
+tensor of any other shape ([Tb, Bb] from a transpose, [Bb * Tb] from a flatten) has padding
+in it that no cut can take out: its bucket runs eagerly and unpadded from then on, with a
+GraphFallbackWarning ("uncut output"), rather than return padded outputs silently.
 """
 
 from __future__ import annotations
@@ -49,14 +57,12 @@ from torch.utils import _pytree as pytree
 from ..._checks import counted
 from ..._tree import flatten, unflatten
 from ...graphs import cache as graph_cache
+from ...graphs.bucketed import BucketedGraphs, GraphKey, NativeLaunch
 from ...graphs.buckets import (
+    WHOLE,
     Bucket,
-    PaddingTally,
     above_largest,
-    as_pair,
     batch_shape,
-    bucket_options,
-    choose_bucket,
     copy_padded,
     cut,
     cut_kind,
@@ -65,7 +71,7 @@ from ...graphs.buckets import (
     resize,
     signature,
 )
-from ...graphs.cache import GraphCache
+from ...graphs.cache import Policy
 from ...graphs.lane_graph import DEFAULT_QUIET_TIMEOUT, DEFAULT_WARMUP
 from ...graphs.output_ring import OutputRing
 from ...lanes._future import Future
@@ -77,6 +83,7 @@ from . import TargetStage
 DEFAULT_RING = 4
 ON_FULL = graph_cache.ON_FULL
 POLICIES = graph_cache.POLICIES
+UNCUT = "uncut output"  # the fallback of Note [Outputs cut back]
 
 
 @dataclass
@@ -112,11 +119,16 @@ class TargetGraphs(TargetStage):
         on_full: what happens to a capture past max_pool_bytes: "eager" (run that bucket
             eagerly, warn) or "raise" (GraphMemoryError).
         max_graphs: graphs kept per lane; beyond it the least recently used is dropped.
-        policy: "auto" (default) runs a bucket eagerly and unpadded when its graph is no
-            faster than eager (Note [When graphs pay]); "graphs" keeps every graph;
-            "eager" captures nothing and runs every batch unpadded.
+        policy: a `pydflash.Policy` or its string. "auto" (default) runs a bucket eagerly
+            and unpadded when its graph does not pay (Note [When graphs pay], and Note [A
+            policy for the whole step] in pydflash/graphs/cache.py); "graphs" keeps every
+            graph; "eager" captures nothing and runs every batch unpadded.
         gpu_bound_ratio: with "auto", a graph taking at least this fraction of the eager
             forward's GPU time is dropped (default 0.9).
+        capture_after: with "auto", a bucket is captured at its capture_after-th batch
+            (default 1); `warmup()` captures at once.
+        capture_budget: with "auto", the most seconds a lane spends capturing (None: no
+            limit).
         quiet_timeout: seconds a capture waits for the device's other lanes to pause
             before the bucket runs eagerly ("device busy"); a later batch tries again.
     """
@@ -134,56 +146,69 @@ class TargetGraphs(TargetStage):
         max_pool_bytes: int | None = None,
         on_full: str = "eager",
         max_graphs: int | None = None,
-        policy: str = "auto",
+        policy: Policy | str = Policy.AUTO,
         gpu_bound_ratio: float = graph_cache.DEFAULT_GPU_BOUND_RATIO,
+        capture_after: int = 1,
+        capture_budget: float | None = None,
         quiet_timeout: float = DEFAULT_QUIET_TIMEOUT,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"expected a callable target, got {type(fn).__name__}")
         self.fn = fn
-        self.lengths, self.batch_sizes, self.pad_value = bucket_options(
-            lengths, granularity, batch_sizes, pad_value
-        )
         self.ring_slots = counted(ring, "ring", minimum=0)
-        self._cache = GraphCache(
+        self._graphs = BucketedGraphs(
             f"pydflash.TargetGraphs {id(self):x}",
+            lengths=lengths,
+            granularity=granularity,
+            batch_sizes=batch_sizes,
+            pad_value=pad_value,
             warmup=warmup,
             max_graphs=max_graphs,
             max_pool_bytes=max_pool_bytes,
             on_full=on_full,
             policy=policy,
             gpu_bound_ratio=gpu_bound_ratio,
+            capture_after=capture_after,
+            capture_budget=capture_budget,
             quiet_timeout=quiet_timeout,
         )
+        self.lengths, self.batch_sizes = self._graphs.lengths, self._graphs.batch_sizes
+        self.pad_value = self._graphs.pad_value
         self._lock = threading.Lock()
         self._rings: dict[Lane, OutputRing] = {}
-        self._padding = PaddingTally()
 
     @property
     def warmup_calls(self) -> int:
-        return self._cache.warmup
+        return self._graphs.cache.warmup
 
     @property
     def max_graphs(self) -> int | None:
-        return self._cache.max_graphs
+        return self._graphs.cache.max_graphs
 
     @property
     def max_pool_bytes(self) -> int | None:
-        return self._cache.max_pool_bytes
+        return self._graphs.cache.max_pool_bytes
 
     @property
     def on_full(self) -> str:
-        return self._cache.on_full
+        return self._graphs.cache.on_full
 
     @property
-    def policy(self) -> str:
-        return self._cache.policy
+    def policy(self) -> Policy:
+        return self._graphs.policy
+
+    @property
+    def launches_natively(self) -> bool:  # type: ignore[override]
+        return self._graphs.zero_padded
 
     # --- TargetStage ----------------------------------------------------------------------
     def submit(self, lane: Lane, batch: Any) -> Future:
         """Runs the forward of `batch` on `lane`; the future's result is fn's output cut
         back to the batch's shape (in a ring buffer: give it back with `release`)."""
         return lane.submit(self._run, lane, batch, torch.get_num_threads())
+
+    def _submit_ahead(self, lane: Lane, batch: Any) -> Future:
+        return lane.submit(self._run, lane, batch, torch.get_num_threads(), True)
 
     @property
     def recycles(self) -> bool:  # type: ignore[override]
@@ -227,82 +252,66 @@ class TargetGraphs(TargetStage):
             )
             for batch, length in shapes
         ]
-        futures = [self.submit(lane, batch) for lane in lanes for batch in batches]
+        futures = [self._submit_ahead(lane, batch) for lane in lanes for batch in batches]
         for future in futures:
             self.release(future.wait_stream() if future.event else future.result())
         return self.stats()
 
     def stats(self) -> dict[str, Any]:
-        """Per lane label: the buckets captured (batch, length), captures, replays, eager
-        runs, evictions, graphs dropped (memory cap, policy), ring misses and the bytes its
-        graph pool reserves. "fallbacks": per kind, the count and the latest detail.
-        "eager_buckets": buckets the policy runs eagerly, with the reason and both GPU
-        timings in ms. "padding_waste": padded tokens over all tokens processed."""
-        cached = self._cache.stats()
+        """Per lane label: the buckets captured (batch, length), captures, capture attempts
+        and failures, capture seconds, replays, eager runs, evictions, graphs dropped
+        (memory cap, policy), the bytes its graph pool reserves, pools given back and
+        released bytes, the policy's choices, and ring misses. "fallbacks": per kind, the
+        eager runs it caused and the latest detail. "eager_buckets": buckets the policy
+        runs eagerly, with the reason and both GPU timings in ms. "padding_waste": padded
+        tokens over all tokens processed. "policy": the Policy."""
         with self._lock:
             rings = {lane.label: ring for lane, ring in self._rings.items()}
-        lanes = {}
-        for label, s in cached["lanes"].items():
+
+        def ring_misses(label: str, _: dict[str, Any]) -> dict[str, Any]:
             ring = rings.get(label)
-            lanes[label] = {
-                "buckets": [as_pair(b) for b in s.pop("graphs")],
-                **s,
-                "ring_misses": 0 if ring is None else ring.misses,
-            }
-        eager_buckets = [{**e, "bucket": as_pair(e["bucket"])} for e in cached["eager_buckets"]]
-        return {
-            "lanes": lanes,
-            "fallbacks": cached["fallbacks"],
-            "eager_buckets": eager_buckets,
-            "padding_waste": self._padding.waste(),
-            "policy": self.policy,
-        }
+            return {"ring_misses": 0 if ring is None else ring.misses}
 
-    def ready(self, lane: Lane, leaves: list[Any], spec: Any, b: int, t: int) -> Any:
-        """The GraphEntry that would replay this [b, t] batch (its leaves and spec) on
-        `lane`, when a stream program may launch it instead (Note [Native microbatch] in
-        pydflash/pipeline/native_microbatch.py): captured, kept by the policy, replayed once here
-        (so its outputs' layout is known). None otherwise. Any thread."""
-        bucket = choose_bucket(b, t, self.lengths, self.batch_sizes)
-        if bucket is None:
-            return None
-        entry = self._cache.lane(lane).ready((bucket, spec, signature(leaves)))
-        if entry is None or entry.data.out_signature is None:
-            return None
-        return entry
+        return self._graphs.stats(ring_misses)
 
-    def replayed_natively(self, lane: Lane, entry: Any, b: int, t: int) -> None:
-        """Counts a replay of `entry`, whose label is its bucket, that a stream program
-        launched."""
-        self._cache.lane(lane).replayed()
-        bucket = entry.label
-        self._padding.add(b * t, bucket.batch * bucket.length)
+    def native_launch(
+        self, lane: Lane, b: int, t: int, spec: Any, sig: tuple
+    ) -> NativeLaunch | None:
+        """What a stream program launches in place of this stage's task for a [b, t]
+        batch of tree `spec` and signature `sig` on `lane` (pydflash.graphs.bucketed,
+        Note [Native microbatch] in pydflash/pipeline/native_microbatch.py), or None. Any thread."""
+        return self._graphs.native_launch(lane, b, t, spec, sig, _describe)
 
     # --- on the lane's worker ----------------------------------------------------------------
-    def _run(self, lane: Lane, batch: Any, threads: int) -> Any:
+    def _run(self, lane: Lane, batch: Any, threads: int, ahead: bool = False) -> Any:
         match_intra_op_threads(threads)
         with torch.no_grad():
             batch = to_lane(batch, lane)
             leaves, spec = flatten(batch)
             b, t = batch_shape(leaves)
-            cache = self._cache.lane(lane)
-            bucket = choose_bucket(b, t, self.lengths, self.batch_sizes)
+            cache = self._graphs.lane(lane)
+            bucket = self._graphs.bucket(b, t)
             if bucket is None:
                 detail = above_largest("a batch", b, t, self.lengths, self.batch_sizes)
                 cache.fall_back("too long", detail)
-                return self._eager(batch, b * t)
+                return self._eager(batch, b, t)
             pads = pad_values(self.pad_value, batch, leaves)
-            if not lane.is_gpu and self.policy != "eager":
-                return self._padded_eager(leaves, spec, pads, bucket, b, t)
-            key = (bucket, spec, signature(leaves))
+            key = GraphKey.of(bucket, leaves, spec)
+            if not lane.is_gpu and self.policy is not Policy.EAGER:
+                return self._padded_eager(batch, leaves, spec, pads, bucket, key, lane)
             entry = cache.get_or_capture(
-                key, lambda: self._prepare(leaves, spec, pads, bucket), label=bucket
+                key, lambda: self._prepare(leaves, spec, pads, bucket), label=bucket, ahead=ahead
             )
             if entry is None:
-                return self._eager(batch, b * t)
+                return self._eager(batch, b, t)
             static: _Static = entry.data
             if static.out_cuts is None:  # captured just now: the inputs are this batch's
                 out_leaves, static.out_spec = flatten(entry.outputs)
+                uncut = _uncut(out_leaves, bucket)
+                if uncut is not None:
+                    del entry, static
+                    cache.refuse(key, UNCUT, uncut)
+                    return self._eager(batch, b, t)
                 static.out_leaves = out_leaves
                 static.out_cuts = [cut_kind(x, bucket) for x in out_leaves]
                 static.out_signature = signature(out_leaves)
@@ -311,7 +320,7 @@ class TargetGraphs(TargetStage):
                     if isinstance(x, torch.Tensor):
                         copy_padded(buffer, x, p)
             cache.replay(entry)
-            self._padding.add(b * t, bucket.batch * bucket.length)
+            self._graphs.padded(b, t, bucket)
             return self._copy_out(lane, static, b, t)
 
     def _prepare(
@@ -326,19 +335,35 @@ class TargetGraphs(TargetStage):
         return (lambda: self.fn(batch)), _Static(inputs, bucket)
 
     def _padded_eager(
-        self, leaves: list[Any], spec: Any, pads: list[float], bucket: Bucket, b: int, t: int
+        self,
+        batch: Any,
+        leaves: list[Any],
+        spec: Any,
+        pads: list[float],
+        bucket: Bucket,
+        key: GraphKey,
+        lane: Lane,
     ) -> Any:
+        """A CPU lane's call: the padded path a graph takes, run eagerly."""
+        b, t = batch_shape(leaves)
+        cache = self._graphs.lane(lane)
+        if cache.recorded(key):
+            return self._eager(batch, b, t)
         out = self.fn(pytree.tree_unflatten(self._padded(leaves, pads, bucket), spec))
-        self._padding.add(b * t, bucket.batch * bucket.length)
         out_leaves, out_spec = pytree.tree_flatten(out)
+        uncut = _uncut(out_leaves, bucket)
+        if uncut is not None:
+            cache.refuse(key, UNCUT, uncut)
+            return self._eager(batch, b, t)
+        self._graphs.padded(b, t, bucket)
         cuts = [cut(x, cut_kind(x, bucket), b, t) for x in out_leaves]
         return pytree.tree_unflatten(
             [x.clone() if isinstance(x, torch.Tensor) else x for x in cuts], out_spec
         )
 
-    def _eager(self, batch: Any, tokens: int) -> Any:
+    def _eager(self, batch: Any, b: int, t: int) -> Any:
         out = self.fn(batch)
-        self._padding.add(tokens, tokens)
+        self._graphs.padded(b, t)
         return out
 
     @staticmethod
@@ -371,3 +396,32 @@ class TargetGraphs(TargetStage):
 
     def __repr__(self) -> str:
         return f"<pydflash.TargetGraphs of {getattr(self.fn, '__qualname__', self.fn)!s}>"
+
+
+def _uncut(out_leaves: list[Any], bucket: Bucket) -> str | None:
+    """Why a bucket's outputs cannot be cut back to a [b, t] batch (Note [Outputs cut
+    back]), or None. Decided per bucket, whatever padding the batch at hand has."""
+    for i, x in enumerate(out_leaves):
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and cut_kind(x, bucket) == WHOLE:
+            return (
+                f"output {i} of the {bucket.batch} x {bucket.length} bucket has shape "
+                f"{tuple(x.shape)}, neither [{bucket.batch}, {bucket.length}, ...] nor "
+                f"[{bucket.batch}, ...]: its padding cannot be cut out, so the bucket runs "
+                "eagerly and unpadded"
+            )
+    return None
+
+
+def _describe(entry: Any) -> tuple | None:
+    """TargetGraphs' part of a NativeLaunch (pydflash.graphs.bucketed.Describe)."""
+    static: _Static = entry.data
+    if static.out_signature is None:
+        return None  # not replayed in Python yet: the outputs' layout is unknown
+    return (
+        static.inputs,
+        None,
+        static.out_leaves,
+        static.out_spec,
+        static.out_cuts,
+        static.out_signature,
+    )
