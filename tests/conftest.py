@@ -122,7 +122,7 @@ EMPTY_GRAPH = "The CUDA Graph is empty"
 @pytest.fixture(autouse=True)
 def no_empty_cuda_graph(request, monkeypatch):
     """A test marked gpu fails when torch warns that a CUDA graph it ended was empty
-    (Note [No empty graph] in pydflash/graphs/lane_graph.py). The warning is a TORCH_WARN that
+    (Note [No empty graph] in pydflash/graphs/_cuda_capture.py). The warning is a TORCH_WARN that
     reaches Python as a UserWarning from `capture_end`; where a cleanup ends a capture
     under `contextlib.suppress(Exception)`, pytest's filterwarnings=error would turn it
     into an exception that the cleanup swallows, so each capture_end is watched here and

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import pydflash
 from pydflash import GraphFallbackWarning, GraphMemoryError
-from pydflash.graphs import cache as graph_cache
+from pydflash.graphs import lane_cache
 from pydflash.graphs import lane_graph as graphs
 from pydflash.pipeline.stages import EagerDrafter
 from pydflash.pipeline.stages import drafter_graphs as dg
@@ -240,8 +240,8 @@ def recorded(monkeypatch):
         return graphs.Captured(made[-1], out)
 
     monkeypatch.setattr(graphs, "capture_graph", capture_graph)
-    monkeypatch.setattr(graph_cache, "_new_pool", lambda: "pool")
-    monkeypatch.setattr(graph_cache, "pool_bytes", lambda pool, device: 1000 * len(made))
+    monkeypatch.setattr(lane_cache, "_new_pool", lambda: "pool")
+    monkeypatch.setattr(lane_cache, "pool_bytes", lambda pool, device: 1000 * len(made))
     monkeypatch.setattr(dg, "_captures", lambda lane: True)
     capturable_on_cpu(monkeypatch)
     return made
@@ -594,7 +594,7 @@ def test_gpu_a_dropped_only_bucket_gives_its_pool_bytes_back(gpu_lanes):
     """Issue 31: the policy dropped a lane's only bucket graph and its pool kept 13.6 GB.
     A forward that keeps the GPU busy is dropped as GPU-bound; its pool must hold 0 bytes
     after, while the step graph, in a pool of its own, keeps replaying."""
-    from pydflash.graph_cache import pool_bytes
+    from pydflash.graphs.pools import pool_bytes
 
     width = 4096
     weight = torch.randn(width, width, device="cuda") / width**0.5

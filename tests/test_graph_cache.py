@@ -14,7 +14,7 @@ import pytest
 
 import pydflash
 from pydflash import GraphFallbackWarning, GraphMemoryError
-from pydflash.graphs import _cuda_capture
+from pydflash.graphs import _cuda_capture, lane_cache, policy
 from pydflash.graphs import cache as graph_cache
 from pydflash.graphs import lane_graph as graphs
 from pydflash.graphs.cache import BUSY_RETRIES, TIMED_REPLAYS, GraphCache
@@ -187,8 +187,8 @@ def cuda(monkeypatch):
     monkeypatch.setattr(_cuda_capture, "launch_marker", fake.launch)
     monkeypatch.setattr(_cuda_capture, "empty_cache", fake.allocator.empty_cache)
     pools = iter(range(1, 1000))
-    monkeypatch.setattr(graph_cache, "_new_pool", lambda: (0, next(pools)))
-    monkeypatch.setattr(graph_cache, "pool_bytes", fake.allocator.pool_bytes)
+    monkeypatch.setattr(lane_cache, "_new_pool", lambda: (0, next(pools)))
+    monkeypatch.setattr(lane_cache, "pool_bytes", fake.allocator.pool_bytes)
     return fake
 
 
@@ -371,7 +371,7 @@ def test_least_recently_used_graphs_are_evicted(cuda):
 
 @pytest.mark.parametrize("on_full", ["eager", "raise"])
 def test_the_pool_cap_runs_eagerly_or_raises(cuda, monkeypatch, on_full):
-    monkeypatch.setattr(graph_cache, "pool_bytes", lambda pool, device: 100)
+    monkeypatch.setattr(lane_cache, "pool_bytes", lambda pool, device: 100)
     cache = GraphCache("stage", warmup=0, max_pool_bytes=10, on_full=on_full)
     lane = cache.lane(LANE)
     if on_full == "raise":
@@ -611,18 +611,18 @@ def test_keys_are_predicted_gpu_bound_once_every_measured_graph_was(cuda, monkey
     _timed(monkeypatch, eager_ms=10.0, graph_ms=9.8)
     cache = GraphCache("stage", warmup=1)
     lane = cache.lane(LANE)
-    for key in range(graph_cache.PREDICT_AFTER):
+    for key in range(policy.PREDICT_AFTER):
         assert not _replayed_until_judged(lane, key, cuda)
     assert lane.get_or_capture("new", lambda: pytest.fail("captured")) is None
     s = cache.stats()["lanes"][LANE.label]
-    assert s["capture_attempts"] == graph_cache.PREDICT_AFTER
+    assert s["capture_attempts"] == policy.PREDICT_AFTER
     assert s["policy_choices"] == {"gpu-bound": 2, "predicted GPU-bound": 1}
     assert cache.stats()["fallbacks"] == {}
 
 
 def test_the_capture_budget_stops_new_captures(cuda, monkeypatch):
     clock = iter(range(0, 1000, 5))  # every capture takes 5 s
-    monkeypatch.setattr(graph_cache.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(lane_cache.time, "perf_counter", lambda: next(clock))
     cache = GraphCache("stage", warmup=0, capture_budget=9)
     lane = cache.lane(LANE)
     got = [lane.get_or_capture(key, lambda: (forward(cuda), None)) for key in "abc"]

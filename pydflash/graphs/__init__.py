@@ -2,7 +2,11 @@
 
 - lane_graph.py: `capture_graph`, the one capture routine; `capture` and
   `CapturedGraph` for one inference forward; `submit`, a native launch.
-- cache.py: `GraphCache`, the graphs of each lane, keyed by bucket, with its fallbacks.
+- cache.py: `GraphCache`, the graphs of each lane, keyed by bucket, with its fallbacks;
+  lane_cache.py: one lane's graphs; policy.py: `Policy`, what a graph must pay back;
+  pools.py: memory pools, and giving one back.
+- bucketed.py: `BucketedGraphs`, the one helper under both graph stages, with the key of
+  a graph (`GraphKey`) and what a stream program launches (`NativeLaunch`).
 - buckets.py: the bucket ladder and padding; output_ring.py: output buffers per replay.
 - _cuda_capture.py: the torch CUDA calls a capture makes, in one place.
 

@@ -43,8 +43,19 @@ def is_capturing() -> bool:
 
 
 def launch_marker() -> None:
-    """One small kernel on the current stream (Note [No empty graph] in
-    pydflash/graphs/lane_graph.py)."""
+    """One small kernel on the current stream (Note [No empty graph]).
+
+    Note [No empty graph]: torch's `capture_end` warns "The CUDA Graph is empty. This
+    usually means that the graph was attempted to be captured on wrong device or stream"
+    (a TORCH_WARN, which reaches Python as a UserWarning) when nothing was recorded. A
+    capture whose fn raised before its first kernel is one: an optimizer step that
+    torch's capture check refuses (`capturable=False`, as the example's fused AdamW was)
+    raises before it launches anything, and the cleanup of a failed capture
+    (`_leave_no_trace` in pydflash/graphs/lane_graph.py) ended that empty capture, once
+    per lane and run. A capture still valid when its cleanup ends it first records this
+    kernel, so the graph reset right after is never empty. The GPU tests fail on the
+    warning wherever it comes from, the cleanup's `suppress` included (tests/conftest.py).
+    """
     import torch
 
     torch.zeros(1, device=torch.cuda.current_device())

@@ -56,17 +56,6 @@ successful end takes it out: left so, every later random op outside a capture ra
 "Offset increment outside graph capture encountered unexpectedly" (seen on the H200, in
 the tests after a failed capture). A capture of one random draw takes it out
 (`_cuda_capture.end_generator_capture`).
-
-Note [No empty graph]: torch's `capture_end` warns "The CUDA Graph is empty. This usually
-means that the graph was attempted to be captured on wrong device or stream" (a TORCH_WARN,
-which reaches Python as a UserWarning) when nothing was recorded. A capture whose fn raised
-before its first kernel is one: an optimizer step that torch's capture check refuses
-(`capturable=False`, as the fused AdamW of the example was) raises before it launches
-anything, and the cleanup above ended that empty capture, once per lane and run. A capture
-that is still valid when its cleanup ends it first records one small kernel
-(`_cuda_capture.launch_marker`), so the graph reset right after is never empty; the GPU
-tests fail on the warning wherever it comes from, the cleanup's `suppress` included
-(tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -90,6 +79,7 @@ from ..lanes.graph_exec import (
     unwrap,
 )
 from . import _cuda_capture as _cuda
+from .pools import OPEN_CAPTURES
 
 if TYPE_CHECKING:
     from ..lanes._future import Future
@@ -361,7 +351,7 @@ def capture_graph(
                 f"{quiet_timeout:g} s for a capture",
             )
         graph = None
-        with _OPEN_CAPTURES.capturing():
+        with OPEN_CAPTURES.capturing():
             try:
                 _cuda.stream_idle()
                 graph = _cuda.new_graph()
@@ -373,54 +363,6 @@ def capture_graph(
                 detail = f"{type(exc).__name__}: {first_line(exc)}"
                 raise CaptureFailed("capture failed", detail) from exc
     return Captured(graph, outputs, None if eager_ms is None else eager_ms())
-
-
-class _CaptureGate:
-    """Captures open in the process, against which a release waits (Note [Giving a pool
-    back] in pydflash/graphs/cache.py): torch's caching allocator asserts that no capture
-    is underway when it frees cached blocks, on any device (`synchronize_and_free_events`
-    in c10/cuda/CUDACachingAllocator.cpp), so `release_cached_memory` waits for pydflash's
-    captures to end and holds new ones back while it runs."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._open = 0  # captures between capture_begin and the end of their cleanup
-        self._releasing = False
-
-    @contextlib.contextmanager
-    def capturing(self) -> Any:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._releasing)
-            self._open += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._open -= 1
-                self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def releasing(self) -> Any:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._releasing)
-            self._releasing = True
-            self._cond.wait_for(lambda: self._open == 0)
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._releasing = False
-                self._cond.notify_all()
-
-
-_OPEN_CAPTURES = _CaptureGate()
-
-
-def release_cached_memory() -> None:
-    """Frees the caching allocator's unused cached blocks, graph pools that no graph uses
-    any more included, once no pydflash capture is open (torch.cuda.empty_cache())."""
-    with _OPEN_CAPTURES.releasing():
-        _cuda.empty_cache()
 
 
 def _warm_up(
@@ -460,7 +402,7 @@ def _leave_no_trace(graph: Any | None, device: int, pool: Any) -> None:
     allocator, and resets the graph."""
     if graph is not None and _cuda.is_capturing():
         with contextlib.suppress(Exception):  # an invalidated capture refuses any launch
-            _cuda.launch_marker()  # Note [No empty graph]
+            _cuda.launch_marker()  # Note [No empty graph] in _cuda_capture.py
         # Invalidated or not, the capture ends here; ending an invalidated capture raises.
         with contextlib.suppress(Exception):
             graph.capture_end()

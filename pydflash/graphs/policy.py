@@ -1,0 +1,93 @@
+"""Which calls of a graph stage run as graphs: the `Policy`, and under Policy.AUTO what a
+graph must pay back (Note [A policy for the whole step])."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from enum import StrEnum
+from typing import Any
+
+
+class Policy(StrEnum):
+    """Which calls a graph stage replays as graphs. A str, so "auto" == Policy.AUTO."""
+
+    AUTO = "auto"  # graphs where they pay (Note [A policy for the whole step])
+    GRAPHS = "graphs"  # a graph for every key that captures
+    EAGER = "eager"  # no graph at all
+
+    @classmethod
+    def of(cls, value: Any) -> Policy:
+        """`value` (a Policy or its string) as a Policy, or a ValueError."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"expected policy in {POLICIES}, got {value!r}") from None
+
+
+POLICIES = tuple(p.value for p in Policy)
+DEFAULT_GPU_BOUND_RATIO = 0.9
+TIMED_REPLAYS = 2
+PREDICT_AFTER = 2  # graphs measured in a pool before the policy predicts for the rest
+
+# Note [A policy for the whole step]: a graph saves host launch time and costs its capture
+# (warm-up calls, then the capture, with the device's other lanes paused) and its pool's
+# memory. Under Policy.AUTO:
+# - a key is captured only once seen `capture_after` times: one seen once may never come
+#   back, and its eager run is unpadded;
+# - a lane spends at most `capture_budget` seconds capturing (None: no limit); past it,
+#   new keys run eagerly;
+# - each graph's first replays are timed against its eager warm-up call; one no faster
+#   than `gpu_bound_ratio` of eager is dropped, runs eagerly and unpadded, and its pool is
+#   given back once empty (Note [Giving a pool back]);
+# - once PREDICT_AFTER graphs of a pool were measured and every one was GPU-bound, the
+#   keys not captured yet are predicted GPU-bound too and never captured: a forward that
+#   fills the GPU at one length fills it at the others, and capturing each bucket only to
+#   drop it is what made graph stages slower than eager on large targets.
+# What stays is a graph that was measured faster than eager: the launch-bound gains.
+
+
+# Kinds of eager record that are the policy's choice, not a fallback: no warning.
+CHOSEN = ("gpu-bound", "policy", "rare", "capture budget", "predicted GPU-bound")
+
+
+def choices(eager: dict[Hashable, tuple[str, str]]) -> dict[str, int]:
+    """How many keys run eagerly per kind of reason."""
+    counts: dict[str, int] = {}
+    for kind, _ in eager.values():
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def positive(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected {name} to be a number, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"expected {name} > 0, got {value}")
+    return float(value)
+
+
+def not_worth_capturing(
+    measured: tuple[int, int], capture_seconds: float, budget: float | None, where: str
+) -> tuple[str, str] | None:
+    """(kind, detail) when Policy.AUTO captures no new key of a pool for good, else None:
+    `measured` is (graphs measured in the pool, of which GPU-bound), `capture_seconds`
+    what the lane spent capturing, `budget` its capture_budget."""
+    count, bound = measured
+    if count >= PREDICT_AFTER and bound == count:
+        return ("predicted GPU-bound", f"all {count} graphs measured in {where} were GPU-bound")
+    if budget is not None and capture_seconds >= budget:
+        return (
+            "capture budget",
+            f"{where} spent {capture_seconds:.3g} s capturing, its capture_budget={budget:g}",
+        )
+    return None
+
+
+def gpu_bound(graph_ms: float, eager_ms: float, ratio: float) -> str | None:
+    """Why a graph no faster than `ratio` of its eager call is dropped, or None."""
+    if graph_ms < ratio * eager_ms:
+        return None
+    return (
+        f"GPU-bound: its graph took {graph_ms:.3g} ms against {eager_ms:.3g} ms eager "
+        f"(gpu_bound_ratio={ratio:g})"
+    )
