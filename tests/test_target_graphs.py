@@ -187,6 +187,28 @@ def test_fallbacks_are_counted_per_kind_with_the_latest_detail(cpu_lane):
     assert "1 x 40 is above the largest bucket" in fallbacks["too long"]["latest"]
 
 
+UNCUTTABLE = {
+    "transpose": lambda batch: batch["x"].t(),  # [Tb, Bb]: no cut takes the padding out
+    "flatten": lambda batch: batch["x"].flatten(),  # [Bb * Tb]
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNCUTTABLE))
+def test_outputs_that_cannot_be_cut_back_run_eagerly_with_a_warning(cpu_lane, kind):
+    """Issue 35: b.t() gave (4, 2) where eager gives (3, 2), b.flatten() (8,) for (6,)."""
+    fn = UNCUTTABLE[kind]
+    target = TargetGraphs(fn, lengths=(4,))
+    batch = {"x": torch.arange(6.0).view(2, 3)}
+    with pytest.warns(GraphFallbackWarning, match=r"\(uncut output\).*cannot be cut out"):
+        out = target.submit(cpu_lane, batch).result()
+    assert torch.equal(out, fn(batch))
+    again = {"x": torch.arange(4.0).view(2, 2)}
+    assert torch.equal(target.submit(cpu_lane, again).result(), fn(again))  # no new warning
+    stats = target.stats()
+    assert stats["fallbacks"]["uncut output"]["count"] == 2
+    assert stats["lanes"][cpu_lane.label]["eager_runs"] == 2
+
+
 def test_stats_report_the_padding_waste(cpu_lane):
     target = TargetGraphs(lambda batch: batch["input_ids"] * 1, lengths=(8, 16))
     assert target.stats()["padding_waste"] == 0.0
@@ -323,6 +345,21 @@ def test_gpu_bucket_outputs_equal_eager_in_bf16(gpu_lanes):
     stats = target.stats()["lanes"][lane.label]
     assert stats["captures"] == 2 and stats["replays"] == 4 and stats["eager_runs"] == 0
     assert stats["pool_bytes"] > 0
+
+
+@gpu
+@pytest.mark.parametrize("kind", sorted(UNCUTTABLE))
+def test_gpu_outputs_that_cannot_be_cut_back_run_eagerly_and_free_the_graph(gpu_lanes, kind):
+    fn = UNCUTTABLE[kind]
+    target = TargetGraphs(fn, lengths=(4,), policy="graphs")
+    lane = gpu_lanes[0]
+    batch = {"x": torch.arange(6.0, device="cuda").view(2, 3)}
+    with pytest.warns(GraphFallbackWarning, match="uncut output"):
+        out = target.submit(lane, batch).wait_stream()
+    assert torch.equal(out, fn(batch))
+    stats = target.stats()["lanes"][lane.label]
+    assert stats["buckets"] == [] and stats["captures"] == 1 and stats["dropped"] == 1
+    assert stats["pool_bytes"] == 0
 
 
 @gpu

@@ -178,9 +178,13 @@ class LaneGraphCache:
         self.owner._fell_back(self, kind, detail)
 
     def recorded(self, key: Hashable) -> bool:
-        """Whether `key` is recorded to run eagerly."""
+        """Whether `key` is recorded to run eagerly; if so, this call's eager run is
+        counted as get_or_capture counts it (a stage's path without graphs asks this)."""
         with self.owner._lock:
-            return key in self.eager
+            if key not in self.eager:
+                return False
+        self._eager_run(key)
+        return True
 
     # --- inside ------------------------------------------------------------------------
     def _eager_run(self, key: Hashable, chosen: tuple[str, str] | None = None) -> None:
