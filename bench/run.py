@@ -58,6 +58,7 @@ SECTIONS = {
     "scale_out": 30,
     "dflash_scale": 45,
     "seed_workload": 10,  # the default run: the drafter alone at 2 x 32 k; --full: minutes
+    "dflash_varlen": 1,  # a not-run row; with --full about 7 minutes (two targets)
 }
 UNKNOWN_SECTION_S = 30  # a section without an estimate
 MODE_SCALE = {"quick": 1.0, "default": 1.0, "full": 5.0}  # before any section has ended

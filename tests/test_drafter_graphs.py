@@ -606,18 +606,25 @@ def test_gpu_a_dropped_only_bucket_gives_its_pool_bytes_back(gpu_lanes):
         return masked_loss(drafter, inputs, lengths) + 0 * x.sum()
 
     stage, _ = make_gpu(DrafterGraphs, gpu_lanes, loss=heavy, lengths=(16,))
-    data = on_gpu(microbatches(12, seed=8, lengths=(16,)))
+    g = torch.Generator().manual_seed(8)
+    data = [  # one bucket, 2 x 16, seen often enough to be captured, timed and dropped
+        {
+            "h": torch.randn(2, 16, WIDTH, generator=g),
+            "y": torch.randint(0, VOCAB, (2, 16), generator=g),
+        }
+        for _ in range(8)
+    ]
+    data = on_gpu(data)
     train_steps(stage, data)
     cache = stage._graphs.lane(gpu_lanes[0])
     stats = stage.stats()
     lane = stats["lanes"][gpu_lanes[0].label]
-    assert [e["bucket"] for e in stats["eager_buckets"]] != []
+    assert [e["bucket"] for e in stats["eager_buckets"]] == [(2, 16)]
     assert lane["buckets"] == [] and lane["pools_released"] >= 1 and lane["released_bytes"] > 0
     (step_pool,) = cache.pools.values()
     assert lane["pool_bytes"] == pool_bytes(step_pool.handle, gpu_lanes[0].device_index)
     assert lane["step"] == "graph"
-    for pool in cache.retiring:
-        raise AssertionError(f"a pool still holds {pool.bytes} bytes")
+    assert cache.retiring == []  # the bucket pool measured 0 bytes after it was given back
 
 
 @pytest.mark.gpu

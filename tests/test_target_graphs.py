@@ -187,9 +187,10 @@ def test_fallbacks_are_counted_per_kind_with_the_latest_detail(cpu_lane):
     assert "1 x 40 is above the largest bucket" in fallbacks["too long"]["latest"]
 
 
+# One kernel each (x * 1): on a GPU a capture of views alone would record an empty graph.
 UNCUTTABLE = {
-    "transpose": lambda batch: batch["x"].t(),  # [Tb, Bb]: no cut takes the padding out
-    "flatten": lambda batch: batch["x"].flatten(),  # [Bb * Tb]
+    "transpose": lambda batch: (batch["x"] * 1).t(),  # [Tb, Bb]: no cut takes padding out
+    "flatten": lambda batch: (batch["x"] * 1).flatten(),  # [Bb * Tb]
 }
 
 

@@ -1,0 +1,264 @@
+"""Section: DFlash training on variable-length microbatches, eager and graph stages side by
+side (issue 31).
+
+Real data varies in length; dflash_scale's rows use exactly 768 tokens. Here each
+microbatch's length is drawn from ten lengths, 320 to 1024 tokens (mean 573), with the
+example's blocks: a Qwen3-8B-shaped target (transformers' Qwen3 from a config, random
+weights, bf16), the published DFlash drafter (`dflash-b16`: 5 layers, block 16, 256
+anchors), batch 2, accumulation 8, fused AdamW, target and drafter lanes both on cuda:0.
+In one run, on the same models and the same microbatches:
+
+- the pipeline with eager stages (`EagerTarget`, `EagerDrafter`);
+- the pipeline with `TargetGraphs` + `DrafterGraphs` (policy "auto": graphs where they
+  pay, Note [A policy for the whole step] in pydflash/graphs/policy.py).
+
+Each: samples/s over the timed steps, the seconds of the first (warm-up) steps, and per
+graph stage the seconds spent capturing, its pools' bytes, the pools given back and the
+policy's choices (which buckets kept a graph, which run eagerly and why), and whether the
+optimizer step replays as a graph. With --full also the 23 B Qwen3-Next-style target
+(`qwen3-next-large`). Without a GPU the same rows run at tiny sizes on CPU lanes, where
+graph stages take their padded eager path (the code runs; the figures answer nothing).
+
+It runs with --full (it would take the default run past three minutes), or alone:
+
+    python -m bench.dflash_varlen [--quick | --full] [--steps N] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bench.common import Context, Row, compare, not_run
+from examples.dflash.data import MarkovTokens
+from examples.dflash.hf import HFTargetConfig, dflash_layers
+from examples.dflash.loops import Job, PipelineLoop, Placement, build_models
+from examples.dflash.models import DFLASH_B16, DrafterConfig
+
+SECTION = "dflash_varlen"
+LENGTHS = (320, 384, 416, 448, 512, 544, 608, 672, 800, 1024)  # mean 572.8
+BATCH, ACCUMULATE = 2, 8
+TARGETS = {"qwen3-8b": 36, "qwen3-next-large": 64}  # config: layers (for DFlash's layers)
+TINY_LENGTHS = (12, 16, 20, 24)
+TINY_DRAFTER = DrafterConfig(layers=1, heads=2, head_dim=16, block=4, anchors=4)
+KINDS = ("eager stages", "graph stages")
+
+
+@dataclass
+class Options:
+    """The section's own settings (`python -m bench.dflash_varlen`); None: by the mode."""
+
+    steps: int | None = None  # timed optimizer steps per kind of stage
+    warmup: int | None = None  # untimed steps first (the graph stages capture in them)
+    targets: tuple[str, ...] | None = None
+    alone: bool = False  # run as its own command: measure without --full
+
+
+@dataclass
+class Plan:
+    name: str  # the target's config name
+    job: Job
+    placement: Placement
+    lengths: tuple[int, ...]
+    steps: int
+    warmup: int
+    on_gpu: bool
+
+
+def plans(ctx: Context, options: Options) -> list[Plan]:
+    """What to run: the 8 B target, and with --full the 23 B one too; tiny on CPU."""
+    if not ctx.gpus:
+        target = HFTargetConfig.load("qwen3-tiny", dflash_layers(6, TINY_DRAFTER.layers))
+        job = Job(target, TINY_DRAFTER, max(TINY_LENGTHS), BATCH, 2, lr=1e-3)
+        steps, warmup = options.steps or 2, options.warmup or 1
+        return [Plan("qwen3-tiny", job, _placement("cpu"), TINY_LENGTHS, steps, warmup, False)]
+    names = options.targets or (tuple(TARGETS) if ctx.full else ("qwen3-8b",))
+    steps = options.steps or ctx.pick(full=50, quick=4, default=30)
+    warmup = options.warmup or ctx.pick(full=3, quick=2, default=3)
+    out = []
+    for name in names:
+        target = HFTargetConfig.load(name, dflash_layers(TARGETS[name], DFLASH_B16.layers))
+        job = Job(target, DFLASH_B16, max(LENGTHS), BATCH, ACCUMULATE, lr=1e-4)
+        out.append(Plan(name, job, _placement("cuda:0"), LENGTHS, steps, warmup, True))
+    return out
+
+
+def _placement(device: str) -> Placement:
+    return Placement((device,), (device,))
+
+
+def microbatches(plan: Plan, count: int, seed: int = 0) -> list[dict]:
+    """`count` microbatches, each of a length drawn uniformly from plan.lengths (one
+    generator per length, so every length's tokens and anchors are the example's)."""
+    job, rng = plan.job, random.Random(seed)
+    data = {
+        n: MarkovTokens(
+            job.target.vocab,
+            n,
+            job.batch,
+            seed=seed,
+            anchors=job.drafter.anchors,
+            block=job.drafter.block,
+        )
+        for n in plan.lengths
+    }
+    out = []
+    for i in range(count):
+        batch = data[rng.choice(plan.lengths)].batch(i)
+        out.append({k: t.pin_memory() for k, t in batch.items()} if plan.on_gpu else batch)
+    return out
+
+
+def _synchronize(plan: Plan) -> None:
+    if plan.on_gpu:
+        torch.cuda.synchronize(0)
+
+
+def timed(plan: Plan, loop: PipelineLoop, batches: list[dict]) -> tuple[float, float]:
+    """(seconds of the warm-up steps, seconds per timed step) of `loop` over `batches`."""
+    steps: Iterator[Any] = loop.steps(batches, plan.warmup + plan.steps)
+    try:
+        start = time.perf_counter()
+        for _ in range(plan.warmup):
+            next(steps)
+        _synchronize(plan)
+        warm = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(plan.steps):
+            next(steps)
+        _synchronize(plan)
+        return warm, (time.perf_counter() - start) / plan.steps
+    finally:
+        steps.close()
+
+
+def stage_summary(stats: dict[str, Any]) -> dict[str, Any]:
+    """What a graph stage's stats() says about the run, summed over its lanes."""
+    lanes = stats["lanes"].values()
+    summary: dict[str, Any] = {
+        "capture_s": round(sum(s["capture_seconds"] for s in lanes), 3),
+        "pool_gb": round(sum(s["pool_bytes"] for s in lanes) / 1e9, 3),
+        "released_gb": round(sum(s["released_bytes"] for s in lanes) / 1e9, 3),
+        "pools_released": sum(s["pools_released"] for s in lanes),
+        "capture_attempts": sum(s["capture_attempts"] for s in lanes),
+        "capture_failures": sum(s["capture_failures"] for s in lanes),
+        "graph_buckets": sorted({tuple(b) for s in lanes for b in s["buckets"]}),
+        "policy_choices": _summed(s["policy_choices"] for s in lanes),
+        "eager_buckets": [
+            {"bucket": e["bucket"], "eager_ms": e["eager_ms"], "graph_ms": e["graph_ms"]}
+            for e in stats["eager_buckets"]
+        ],
+        "fallbacks": {k: v["count"] for k, v in stats["fallbacks"].items()},
+        "padding_waste": round(stats["padding_waste"], 4),
+        "replays": sum(s["replays"] for s in lanes),
+        "eager_runs": sum(s["eager_runs"] for s in lanes),
+    }
+    if any("step" in s for s in lanes):
+        summary["step"] = [s["step"] for s in lanes]
+        summary["step_replays"] = sum(s["step_replays"] for s in lanes)
+    return summary
+
+
+def _summed(dicts: Iterator[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def measure(ctx: Context, plan: Plan) -> list[Row]:
+    """Both kinds of stage on one set of models and one list of microbatches."""
+    label = f"{plan.name}, {len(plan.lengths)} lengths {plan.lengths[0]}-{plan.lengths[-1]}"
+    ctx.progress(f"{SECTION}: building {plan.name}")
+    models = build_models(plan.job, plan.placement)
+    batches = microbatches(plan, (plan.warmup + plan.steps) * plan.job.accumulate)
+    samples = plan.job.accumulate * plan.job.batch
+    results: dict[str, dict[str, Any]] = {}
+    # Eager first: DrafterGraphs makes the shared optimizer capturable and installs its
+    # static gradients, which the eager stage would then inherit.
+    for kind in KINDS:
+        graphs = kind == "graph stages"
+        ctx.progress(f"{SECTION}: {plan.name}, {kind}")
+        loop = PipelineLoop(
+            models, plan.placement, plan.job, depth=2, graphs=graphs, drafter_graphs=graphs
+        )
+        try:
+            warm, step = timed(plan, loop, batches)
+            results[kind] = {"warm_s": warm, "step_s": step}
+            if graphs:
+                (target_stats,) = loop.graph_stats()
+                results[kind]["target"] = stage_summary(target_stats)
+                results[kind]["drafter"] = stage_summary(loop.drafter_graph_stats())
+        finally:
+            loop.close()
+    eager, graph = results["eager stages"], results["graph stages"]
+    steps = f"{plan.steps} timed steps after {plan.warmup} warm-up steps"
+    rows = [
+        compare(SECTION, f"{label}: eager stages, samples/s", samples / eager["step_s"],
+                "samples/s", note=steps, step_s=eager["step_s"]),
+        compare(SECTION, f"{label}: graph stages, samples/s", samples / graph["step_s"],
+                "samples/s", "eager stages", samples / eager["step_s"],
+                target="ratio >= 1.0", note=steps, step_s=graph["step_s"]),
+        compare(SECTION, f"{label}: graph stages, first {plan.warmup} steps", graph["warm_s"],
+                "s", "eager stages", eager["warm_s"], note="the graph stages capture here"),
+    ]  # fmt: skip
+    for stage in ("target", "drafter"):
+        s = graph[stage]
+        note = (
+            f"captured {s['capture_attempts']} ({s['capture_failures']} failed), "
+            f"graphs kept for {s['graph_buckets'] or 'no bucket'}, eager by choice "
+            f"{s['policy_choices'] or '{}'}, pool {s['pool_gb']} GB, given back "
+            f"{s['released_gb']} GB in {s['pools_released']} pools"
+            + (f", optimizer step {s['step']} ({s['step_replays']} replays)" if "step" in s else "")
+        )
+        rows.append(
+            compare(SECTION, f"{label}: {stage} graph stage, capture seconds", s["capture_s"],
+                    "s", note=note, **s)
+        )  # fmt: skip
+    return rows
+
+
+def run(ctx: Context) -> list[Row]:
+    options = ctx.options.get(SECTION) or Options()
+    if ctx.gpus and not (ctx.full or options.alone):
+        return [
+            not_run(
+                SECTION,
+                "qwen3-8b: graph stages, samples/s",
+                "runs with --full, or alone: python -m bench.dflash_varlen",
+                "ratio >= 1.0",
+            )
+        ]
+    rows = []
+    for plan in plans(ctx, options):
+        rows += measure(ctx, plan)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.dflash_varlen [--steps N] [--warmup N] [--targets a,b]` and the
+    suite's flags (--quick, --full, --json FILE): this section alone, through bench.run."""
+    parser = argparse.ArgumentParser(prog="python -m bench.dflash_varlen", add_help=False)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--targets", type=lambda s: tuple(s.split(",")))
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    unknown = [t for t in args.targets or () if t not in TARGETS]
+    if unknown:
+        parser.error(f"expected targets from {', '.join(TARGETS)}, got {', '.join(unknown)}")
+    options = Options(args.steps, args.warmup, args.targets, alone=True)
+    from bench import run as suite
+
+    return suite.main(["--sections", SECTION, *rest], options={SECTION: options})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

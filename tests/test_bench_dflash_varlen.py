@@ -1,0 +1,55 @@
+"""bench/dflash_varlen.py on CPU lanes: its microbatches, its rows at tiny sizes, and that
+the default GPU run leaves it to --full."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from bench import dflash_varlen as dv
+from bench.common import Context
+
+
+def _ctx(gpus: int = 0, **options) -> Context:
+    opts = {dv.SECTION: dv.Options(**options)} if options else {}
+    return Context(quick=True, gpus=gpus, progress=lambda line: None, options=opts)
+
+
+def test_the_lengths_are_ten_from_320_to_1024_with_a_mean_near_575():
+    assert len(dv.LENGTHS) == 10 and (min(dv.LENGTHS), max(dv.LENGTHS)) == (320, 1024)
+    assert 565 <= statistics.mean(dv.LENGTHS) <= 585
+
+
+def test_each_microbatch_takes_a_drawn_length_with_the_drafters_anchors():
+    pytest.importorskip("transformers")
+    (plan,) = dv.plans(_ctx(), dv.Options())
+    batches = dv.microbatches(plan, 40)
+    lengths = [b["input_ids"].shape[1] for b in batches]
+    assert set(lengths) == set(plan.lengths)  # 40 draws from 4 lengths reach each
+    for b in batches:
+        assert b["anchors"].shape == b["input_ids"].shape
+        assert int(b["anchors"].max()) <= b["input_ids"].shape[1] - plan.job.drafter.block
+    again = dv.microbatches(plan, 40)
+    assert all(
+        torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches, again, strict=True)
+    )
+
+
+def test_rows_at_tiny_sizes_on_cpu_lanes():
+    pytest.importorskip("transformers")
+    torch.set_num_threads(1)
+    rows = {r.name.split(": ", 1)[1]: r for r in dv.run(_ctx(steps=1, warmup=1))}
+    assert rows["eager stages, samples/s"].value > 0
+    graphs = rows["graph stages, samples/s"]
+    assert graphs.value > 0 and graphs.baseline == rows["eager stages, samples/s"].value
+    assert rows["graph stages, first 1 steps"].baseline > 0
+    drafter = rows["drafter graph stage, capture seconds"].extra
+    assert drafter["step"] == ["eager"]  # CPU lanes capture nothing
+    assert {"capture_attempts", "pool_gb", "policy_choices"} <= set(drafter)
+
+
+def test_the_default_gpu_run_leaves_the_section_to_full():
+    (row,) = dv.run(_ctx(gpus=1))
+    assert row.value is None and "--full" in row.note
