@@ -647,3 +647,47 @@ def test_a_pool_held_elsewhere_is_given_back_once_let_go(cuda, monkeypatch):
     del held
     s = cache.stats()["lanes"][LANE.label]
     assert (s["pool_bytes"], s["pools_released"]) == (0, 1)
+
+
+def test_a_pool_is_given_back_only_while_no_capture_is_open(cuda, monkeypatch):
+    """torch's allocator asserts that no capture is underway when it frees cached blocks:
+    give_back waits for a capture open on another thread, and a capture that begins while
+    a release runs waits for it (Note [Giving a pool back])."""
+    from pydflash.graphs import pools
+
+    events = []
+    capturing, release_started, let_capture_end = (threading.Event() for _ in range(3))
+
+    def fn():
+        cuda.launch()
+        if cuda.capturing:
+            events.append("capture open")
+            capturing.set()
+            let_capture_end.wait(10)
+            events.append("capture ends")
+        return "out"
+
+    def empty_cache():
+        events.append("empty_cache")
+        cuda.allocator.empty_cache()
+
+    monkeypatch.setattr(_cuda_capture, "empty_cache", empty_cache)
+    capture = threading.Thread(
+        target=graphs.capture_graph, args=(fn, LANE), kwargs={"pool": (0, 1), "warmup": 0}
+    )
+    capture.start()
+    assert capturing.wait(10)
+
+    def release():
+        release_started.set()
+        pools.give_back([pools.Pool("p", (0, 2))], 0, cuda.allocator.pool_bytes)
+
+    releaser = threading.Thread(target=release)
+    releaser.start()
+    assert release_started.wait(10)
+    time.sleep(0.05)  # the release is waiting now, if it waits
+    assert events == ["capture open"]
+    let_capture_end.set()
+    capture.join(10)
+    releaser.join(10)
+    assert events == ["capture open", "capture ends", "empty_cache"]

@@ -58,7 +58,7 @@ class LaneGraphCache:
         self.graphs: OrderedDict[Hashable, GraphEntry] = OrderedDict()  # LRU first
         self.eager: dict[Hashable, tuple[str, str]] = {}  # key -> (kind, detail)
         self.tries: dict[Hashable, int] = {}  # key -> failed attempts of a RETRIED kind
-        self.seen: dict[Hashable, int] = {}  # key -> calls while not captured
+        self.seen: dict[Hashable, int] = {}  # key -> calls of get_or_capture
         self.retiring: list[Pool] = []  # pools whose graphs are all gone
         # pool name -> [graphs whose timed replays were read, of which GPU-bound]
         self.measured: dict[str, list[int]] = {}

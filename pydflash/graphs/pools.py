@@ -6,7 +6,7 @@ Note [Giving a pool back]: torch frees a graph pool's memory only when no graph 
 count to 0), no tensor of it is alive, and cached blocks are freed (`empty_cache`;
 c10/cuda/CUDACachingAllocator.cpp). So when the last graph of a pool leaves a lane's
 cache (pydflash/graphs/cache.py), the cache drops its references to the pool's graphs and
-outputs, moves the pool to `retiring`, and calls `release_cached_memory`: once no capture
+outputs, moves the pool to `retiring`, and calls `give_back`: once no capture
 is open anywhere in the process, `torch.cuda.empty_cache()`. The pool's bytes are read
 before and after; `stats()` counts `pools_released` and `released_bytes`. A pool still
 held elsewhere (a graph or output someone kept) stays retiring, and `stats()` tries it
@@ -37,10 +37,11 @@ class Pool:
 
 class _CaptureGate:
     """Captures open in the process, against which a release waits (Note [Giving a pool
-    back] in pydflash/graphs/cache.py): torch's caching allocator asserts that no capture
-    is underway when it frees cached blocks, on any device (`synchronize_and_free_events`
-    in c10/cuda/CUDACachingAllocator.cpp), so `release_cached_memory` waits for pydflash's
-    captures to end and holds new ones back while it runs."""
+    back]): torch's caching allocator asserts that no capture is underway when it frees
+    cached blocks, on any device (`synchronize_and_free_events` in
+    c10/cuda/CUDACachingAllocator.cpp), so `give_back` waits for pydflash's captures to
+    end and holds new ones back while it runs. A capture made outside pydflash is not
+    seen: do not capture elsewhere in the process while a graph stage runs."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -76,13 +77,6 @@ class _CaptureGate:
 OPEN_CAPTURES = _CaptureGate()
 
 
-def release_cached_memory() -> None:
-    """Frees the caching allocator's unused cached blocks, graph pools that no graph uses
-    any more included, once no pydflash capture is open (torch.cuda.empty_cache())."""
-    with OPEN_CAPTURES.releasing():
-        _cuda_capture.empty_cache()
-
-
 def new_pool() -> Any:
     import torch
 
@@ -111,11 +105,12 @@ def give_back(retiring: list[Pool], device: int | None, measure: Any) -> Freed:
     """Note [Giving a pool back]: frees what `retiring` pools reserve, reading each one's
     bytes with `measure(handle, device)` before and after; each pool's `bytes` is left
     at what it still holds."""
-    before = [measure(p.handle, device) for p in retiring]
-    release_cached_memory()
     freed = Freed()
-    for pool, was in zip(retiring, before, strict=True):
-        pool.bytes = measure(pool.handle, device)
-        freed.bytes += was - pool.bytes
-        freed.pools += bool(was and not pool.bytes)
+    with OPEN_CAPTURES.releasing():  # the snapshots too: no capture is open meanwhile
+        before = [measure(p.handle, device) for p in retiring]
+        _cuda_capture.empty_cache()
+        for pool, was in zip(retiring, before, strict=True):
+            pool.bytes = measure(pool.handle, device)
+            freed.bytes += was - pool.bytes
+            freed.pools += bool(was and not pool.bytes)
     return freed
