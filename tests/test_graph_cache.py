@@ -622,7 +622,7 @@ def test_keys_are_predicted_gpu_bound_once_every_measured_graph_was(cuda, monkey
 
 def test_the_capture_budget_stops_new_captures(cuda, monkeypatch):
     clock = iter(range(0, 1000, 5))  # every capture takes 5 s
-    monkeypatch.setattr(lane_cache.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(lane_cache, "perf_counter", lambda: next(clock))
     cache = GraphCache("stage", warmup=0, capture_budget=9)
     lane = cache.lane(LANE)
     got = [lane.get_or_capture(key, lambda: (forward(cuda), None)) for key in "abc"]
@@ -691,3 +691,22 @@ def test_a_pool_is_given_back_only_while_no_capture_is_open(cuda, monkeypatch):
     capture.join(10)
     releaser.join(10)
     assert events == ["capture open", "capture ends", "empty_cache"]
+
+
+def test_a_key_is_captured_once_its_uses_would_repay_a_capture(cuda, monkeypatch):
+    """Note [A policy for the whole step]: "a" is measured saving 6 ms a replay and its
+    capture took 0.05 s, so "b" is captured at its 9th use (9 x 6 ms >= 50 ms), and runs
+    eagerly, unpadded and without a warning, until then."""
+    _timed(monkeypatch, eager_ms=10.0, graph_ms=4.0)
+    clock = iter(x * 0.05 for x in range(1000))  # each capture takes 0.05 s
+    monkeypatch.setattr(lane_cache, "perf_counter", lambda: next(clock))
+    cache = GraphCache("stage", warmup=1)
+    lane = cache.lane(LANE)
+    assert _replayed_until_judged(lane, "a", cuda)
+    got = [lane.get_or_capture("b", lambda: (forward(cuda), None)) for _ in range(9)]
+    assert [g is not None for g in got] == [False] * 8 + [True]
+    stats = cache.stats()
+    assert stats["fallbacks"] == {} and stats["lanes"][LANE.label]["eager_runs"] == 8
+    assert "repays a 0.05 s capture only after 9 uses" in repr(
+        lane._not_worth_it("c", 1, "graphs", False)
+    )

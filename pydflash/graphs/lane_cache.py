@@ -3,15 +3,23 @@ whose contract it keeps), and `GraphEntry`, one captured graph."""
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from ..errors import GraphMemoryError
 from . import _cuda_capture, lane_graph
-from .policy import CHOSEN, TIMED_REPLAYS, Policy, choices, gpu_bound, not_worth_capturing
+from .policy import (
+    CHOSEN,
+    TIMED_REPLAYS,
+    Policy,
+    choices,
+    gpu_bound,
+    not_worth_capturing,
+    repaid,
+)
 from .pools import DEFAULT_POOL, Pool, give_back, pool_bytes
 from .pools import new_pool as _new_pool
 
@@ -62,6 +70,8 @@ class LaneGraphCache:
         self.retiring: list[Pool] = []  # pools whose graphs are all gone
         # pool name -> [graphs whose timed replays were read, of which GPU-bound]
         self.measured: dict[str, list[int]] = {}
+        self.savings: dict[str, list[float]] = {}  # pool name -> ms a replay saved, per graph
+        self.costs: dict[str, list[float]] = {}  # pool name -> seconds each capture took
         self.captures = 0
         self.capture_attempts = 0
         self.capture_failures = 0
@@ -212,9 +222,12 @@ class LaneGraphCache:
             if why is not None:
                 self.eager[key] = why  # for good: neither comes back
                 return why
-        if not ahead and seen < owner.capture_after:
+            savings, costs = self.savings.get(pool, []), self.costs.get(pool, [])
+        if ahead:
+            return None
+        if seen < owner.capture_after:
             return ("rare", f"seen {seen} times, captured at {owner.capture_after}")
-        return None
+        return repaid(seen, savings, costs)
 
     def _pool_for(self, name: str) -> Any:
         """The handle of pool `name`, a fresh one where it has no graph (Note [A failed
@@ -251,7 +264,7 @@ class LaneGraphCache:
         if timed is None:
             timed = owner.policy is Policy.AUTO
         name = f"{owner.name} {label}"
-        began = time.perf_counter()
+        began = perf_counter()
         try:
             fn, data = make()
             captured = lane_graph.capture_graph(
@@ -266,7 +279,7 @@ class LaneGraphCache:
         except Exception as exc:  # noqa: BLE001 - never crash the step: run eagerly
             self._spent(began)
             return self._capture_failed(key, label, exc, pool)
-        self._spent(began)
+        self._spent(began, pool.name)
         entry = GraphEntry(captured.graph, captured.outputs, data, label, pool, captured.eager_ms)
         measured = pool_bytes(pool.handle, self.lane.device_index)
         with owner._lock:
@@ -293,9 +306,13 @@ class LaneGraphCache:
             raise GraphMemoryError(message + "; raise max_pool_bytes or use fewer buckets")
         return self._eager_run(key)
 
-    def _spent(self, began: float) -> None:
+    def _spent(self, began: float, pool: str | None = None) -> None:
+        """Counts a capture's seconds; with `pool`, a capture that succeeded there."""
+        took = perf_counter() - began
         with self.owner._lock:
-            self.capture_seconds += time.perf_counter() - began
+            self.capture_seconds += took
+            if pool is not None:
+                self.costs.setdefault(pool, []).append(took)
 
     def _failed_locked(self, key: Hashable, kind: str, detail: str) -> None:
         """Note [Capture failures]: records a failed attempt at `key`. Under the lock."""
@@ -339,6 +356,8 @@ class LaneGraphCache:
             counts = self.measured.setdefault(entry.pool.name, [0, 0])
             counts[0] += 1
             counts[1] += reason is not None
+            saved = max(0.0, entry.eager_ms - graph_ms)
+            self.savings.setdefault(entry.pool.name, []).append(saved)
         if reason is None:
             return True
         with owner._lock:

@@ -3,6 +3,7 @@ graph must pay back (Note [A policy for the whole step])."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from enum import StrEnum
 from typing import Any
@@ -42,7 +43,14 @@ PREDICT_AFTER = 2  # graphs measured in a pool before the policy predicts for th
 # - once PREDICT_AFTER graphs of a pool were measured and every one was GPU-bound, the
 #   keys not captured yet are predicted GPU-bound too and never captured: a forward that
 #   fills the GPU at one length fills it at the others, and capturing each bucket only to
-#   drop it is what made graph stages slower than eager on large targets.
+#   drop it is what made graph stages slower than eager on large targets;
+# - once graphs of a pool were measured, a new key is captured only when it would repay
+#   its capture (`repaid`): the GPU time a replay saved in that pool (the median over
+#   its measured graphs) times the key's uses, counting as many uses to come as it has
+#   had so far, against the seconds a capture took there (the fastest, without a cold
+#   start's compiling). A key not worth it yet runs eagerly and unpadded, and is weighed
+#   again at its next call: a frequent bucket gets its graph, a rare one never does.
+#   A pool's memory is not priced here: max_pool_bytes caps it.
 # What stays is a graph that was measured faster than eager: the launch-bound gains.
 
 
@@ -90,4 +98,21 @@ def gpu_bound(graph_ms: float, eager_ms: float, ratio: float) -> str | None:
     return (
         f"GPU-bound: its graph took {graph_ms:.3g} ms against {eager_ms:.3g} ms eager "
         f"(gpu_bound_ratio={ratio:g})"
+    )
+
+
+def repaid(seen: int, savings_ms: list[float], costs_s: list[float]) -> tuple[str, str] | None:
+    """("rare", why) when a key used `seen` times would not yet repay its capture, by
+    what the pool's measured graphs saved per replay (`savings_ms`) and what its captures
+    took (`costs_s`); None (capture it) before anything was measured."""
+    if not savings_ms or not costs_s:
+        return None
+    saved = sorted(savings_ms)[len(savings_ms) // 2]
+    cost = min(costs_s)
+    if seen * saved / 1000 >= cost:
+        return None
+    return (
+        "rare",
+        f"seen {seen} times; at {saved:.3g} ms saved per replay it repays a {cost:.3g} s "
+        f"capture only after {math.ceil(1000 * cost / saved) if saved else 'no number of'} uses",
     )
