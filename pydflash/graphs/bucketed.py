@@ -4,24 +4,7 @@ stream program launches in place of a stage's task, and their stats.
 
     graphs = BucketedGraphs("pydflash.TargetGraphs ...", lengths=..., policy="auto", ...)
 
-A graph stage's call on a lane, in order:
-
-1. `graphs.bucket(b, t)`: the smallest bucket holding a [b, t] batch (Note [Bucket
-   padding] and Note [Bucket ladder] in pydflash/graphs/buckets.py); None: no bucket holds it,
-   the call runs eagerly (`graphs.lane(lane).fall_back("too long", ...)`).
-2. `GraphKey.of(bucket, leaves, spec)`: what a graph is specific to, built here only:
-   the bucket, the tree of the inputs and their signature (dtypes, trailing dims, the
-   values of constants).
-3. `graphs.lane(lane).get_or_capture(key, make, label=bucket)`: the lane's graph for
-   the key, captured on a miss; None runs the call eagerly and unpadded (the graph cache,
-   pydflash/graphs/cache.py: failures, the memory cap, `Policy`).
-4. The stage copies the batch into the graph's static inputs, replays it, and counts
-   the padding with `graphs.padded(b, t, bucket)`.
-5. `graphs.native_launch(lane, b, t, spec, signature, describe)`: what a stream program
-   launches instead of steps 1-4 (`NativeLaunch`, Note [Native microbatch] in
-   pydflash/pipeline/native_microbatch.py), once the graph is captured, kept by the policy and
-   replayed once in Python.
-6. `graphs.stats(extra)`: the stats both stages report, with the stage's own per lane.
+`BucketedGraphs`' docstring gives the workflow of a graph stage's call, step by step.
 """
 
 from __future__ import annotations
@@ -38,7 +21,7 @@ from .lane_graph import DEFAULT_QUIET_TIMEOUT, DEFAULT_WARMUP
 
 @dataclass(frozen=True)
 class GraphKey:
-    """What a graph of a bucketed stage is specific to (step 2 of the module's workflow)."""
+    """What a graph of a bucketed stage is specific to (step 2 of BucketedGraphs' workflow)."""
 
     bucket: Bucket
     spec: Any  # the inputs' tree (a torch.utils._pytree.TreeSpec)
@@ -84,7 +67,26 @@ Describe = Callable[[Any], "tuple[list, Any, list, Any, list, tuple] | None"]
 
 
 class BucketedGraphs:
-    """A graph stage's buckets and graphs on every lane (see the module's workflow).
+    """A graph stage's buckets and graphs on every lane.
+
+    A graph stage's call on a lane, in order:
+
+    1. `graphs.bucket(b, t)`: the smallest bucket holding a [b, t] batch (Note [Bucket
+       padding] and Note [Bucket ladder] in pydflash/graphs/buckets.py); None: no bucket
+       holds it, the call runs eagerly (`graphs.lane(lane).fall_back("too long", ...)`).
+    2. `GraphKey.of(bucket, leaves, spec)`: what a graph is specific to, built here only:
+       the bucket, the tree of the inputs and their signature (dtypes, trailing dims, the
+       values of constants).
+    3. `graphs.lane(lane).get_or_capture(key, make, label=bucket)`: the lane's graph for
+       the key, captured on a miss; None runs the call eagerly and unpadded (the graph
+       cache, pydflash/graphs/cache.py: failures, the memory cap, `Policy`).
+    4. The stage copies the batch into the graph's static inputs, replays it, and counts
+       the padding with `graphs.padded(b, t, bucket)`.
+    5. `graphs.native_launch(lane, b, t, spec, signature, describe)`: what a stream
+       program launches instead of steps 1-4 (`NativeLaunch`, Note [Native microbatch] in
+       pydflash/pipeline/native_microbatch.py), once the graph is captured, kept by the
+       policy and replayed once in Python.
+    6. `graphs.stats(extra)`: the stats both stages report, with the stage's own per lane.
 
     Args: as the graph stages document them (lengths, granularity, batch_sizes,
     pad_value, warmup, max_pool_bytes, on_full, max_graphs, policy, gpu_bound_ratio,
@@ -150,7 +152,7 @@ class BucketedGraphs:
     def native_launch(
         self, lane: Any, b: int, t: int, spec: Any, sig: tuple, describe: Describe
     ) -> NativeLaunch | None:
-        """Step 5 of the module's workflow: the launch that replays the graph of a [b, t]
+        """Step 5 of the class's workflow: the launch that replays the graph of a [b, t]
         call with inputs of tree `spec` and signature `sig` on `lane`, or None when that
         graph is not ready (not captured, not judged by the policy, not replayed once in
         Python yet) or the stage does not pad with zeros. Raises GraphCaptureError where
