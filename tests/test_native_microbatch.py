@@ -144,6 +144,29 @@ def test_only_graph_stages_that_pad_with_zeros_qualify():
 
 
 # --- on a GPU --------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", ["target_graphs", "drafter_graphs"])
+def test_each_graph_stage_describes_a_native_launch(stage):
+    # What a stage's entry gives BucketedGraphs.native_launch fills a NativeLaunch with no
+    # field left over: on a GPU a second `_describe` in one module once shadowed it.
+    import importlib
+    from types import SimpleNamespace
+
+    from pydflash.graphs.bucketed import NativeLaunch
+
+    module = importlib.import_module(f"pydflash.pipeline.stages.{stage}")
+    x = torch.zeros(2, 4)
+    static = (
+        module._Static(inputs=[x], lengths=torch.zeros(2), fresh=False)
+        if stage == ("drafter_graphs")
+        else module._Static(
+            inputs=[x], bucket=(2, 4), out_spec=None, out_leaves=[x], out_cuts=[0], out_signature=()
+        )
+    )
+    entry = SimpleNamespace(data=static, outputs=x)
+    launch = NativeLaunch(0, *module._launch_parts(entry), keep=entry, count=lambda: None)
+    assert launch.inputs == [x] and launch.keep is entry
+
+
 def gpu_batches(count: int, seed: int) -> list[dict]:
     """Pinned host batches of a few lengths (so buckets repeat), and one above the largest
     bucket, which takes the Python path between programs."""

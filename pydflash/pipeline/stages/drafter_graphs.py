@@ -100,7 +100,7 @@ from ._train_state import (
     restore_tensor_hypers,
     set_lengths,
 )
-from .drafter import DrafterStage, DrafterTraining, Gradients
+from .drafter import DrafterStage, DrafterTraining, Gradients, _describe
 
 DEFAULT_WARMUP = 3
 STEP = "optimizer step"  # the step graph's key, label and pool in the lane's graph cache
@@ -298,7 +298,7 @@ class DrafterGraphs(DrafterStage):
         one output. None otherwise. Any thread."""
         if id(lane) not in self._replica_of or not _captures(lane):
             return None
-        return self._graphs.native_launch(lane, b, t, spec, sig, _describe)
+        return self._graphs.native_launch(lane, b, t, spec, sig, _launch_parts)
 
     def reduce(self, step: int, after: Sequence[Any]) -> Gradients:
         lane0 = self.lanes[0]
@@ -436,7 +436,7 @@ class DrafterGraphs(DrafterStage):
     # --- helpers ----------------------------------------------------------------------------
 
 
-def _describe(entry: Any) -> tuple | None:
+def _launch_parts(entry: Any) -> tuple | None:
     """DrafterGraphs' part of a NativeLaunch (pydflash.graphs.bucketed.Describe)."""
     static: _Static = entry.data
     if static.fresh:
@@ -459,9 +459,3 @@ def _autocast_cache_off():
         yield
     finally:
         torch.set_autocast_cache_enabled(enabled)
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return type(value).__name__

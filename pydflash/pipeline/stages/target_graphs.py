@@ -280,7 +280,7 @@ class TargetGraphs(TargetStage):
         """What a stream program launches in place of this stage's task for a [b, t]
         batch of tree `spec` and signature `sig` on `lane` (pydflash.graphs.bucketed,
         Note [Native microbatch] in pydflash/pipeline/native_microbatch.py), or None. Any thread."""
-        return self._graphs.native_launch(lane, b, t, spec, sig, _describe)
+        return self._graphs.native_launch(lane, b, t, spec, sig, _launch_parts)
 
     # --- on the lane's worker ----------------------------------------------------------------
     def _run(self, lane: Lane, batch: Any, threads: int, ahead: bool = False) -> Any:
@@ -412,7 +412,7 @@ def _uncut(out_leaves: list[Any], bucket: Bucket) -> str | None:
     return None
 
 
-def _describe(entry: Any) -> tuple | None:
+def _launch_parts(entry: Any) -> tuple | None:
     """TargetGraphs' part of a NativeLaunch (pydflash.graphs.bucketed.Describe)."""
     static: _Static = entry.data
     if static.out_signature is None:
