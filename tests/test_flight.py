@@ -37,11 +37,13 @@ def test_a_step_applies_once_all_its_tasks_ended_well():
 
 def test_the_hidden_byte_ledger_counts_what_is_held():
     ledger = HiddenBytes()
+    for k in range(4):
+        ledger.open(k)
     ledger.hold(0, 100)  # microbatch 0's target result
     ledger.hold(0, 50)  # its copy on the drafter's device
     ledger.hold(1, 100)
     ledger.release(0)
-    ledger.hold(2, 0)  # opens no entry
+    ledger.hold(2, 0)
     assert ledger.stats() == {
         "hidden_bytes_held": 100,
         "hidden_bytes_peak": 250,
@@ -51,14 +53,14 @@ def test_the_hidden_byte_ledger_counts_what_is_held():
     # target's done-callback ran after the drafter finished): they do not count when they come.
     ledger.release(3)
     ledger.hold(3, 500)
-    ledger.release(0)
     ledger.hold(0, 100)  # a late callback of a microbatch that trained
+    ledger.hold(9, 100)  # a microbatch that never entered
     assert ledger.stats()["hidden_bytes_held"] == 100  # microbatch 1's alone
     ledger.release_all()
     ledger.hold(1, 70)  # closed by release_all
-    assert ledger.stats()["hidden_bytes_held"] == 0
-    # A new run counts the same indices again.
-    ledger.new_run()
+    assert ledger.stats()["hidden_bytes_held"] == 0 and len(ledger) == 0
+    # A new run counts the same indices again once they enter.
+    ledger.open(3)
     ledger.hold(3, 500)
     assert ledger.stats() == {
         "hidden_bytes_held": 500,

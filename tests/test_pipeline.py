@@ -267,6 +267,19 @@ def test_target_never_runs_more_than_depth_ahead(lanes, depth):
     assert per_microbatch <= stats["hidden_bytes_peak"] <= depth * per_microbatch
 
 
+def test_the_hidden_byte_ledger_stays_within_the_window_over_a_long_run(lanes):
+    # The ledger keeps an entry only for microbatches in the window, not one for every
+    # microbatch that left.
+    depth, n = 2, 300
+    pipe, _ = build(lanes, depth=depth)
+    data = make_data(8)
+    for _ in pipe.run(data[i % len(data)] for i in range(n)):
+        assert len(pipe._hidden) <= depth
+    stats = pipe.stats()
+    assert stats["microbatches"] == n and stats["hidden_bytes_held"] == 0
+    assert len(pipe._hidden) == 0
+
+
 def test_target_runs_ahead_while_the_drafter_trains(lanes):
     rec = Recorder()
 

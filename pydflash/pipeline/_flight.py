@@ -56,9 +56,9 @@ class FlightWindow:
         self._flights.append(flight)
         return flight
 
-    def cancel_newest(self) -> None:
+    def cancel_newest(self) -> Flight:
         """Removes the newest flight, whose tasks were never submitted."""
-        self._flights.pop()
+        return self._flights.pop()
 
     def clear(self) -> None:
         self._flights.clear()
@@ -76,43 +76,46 @@ class HiddenBytes:
     """The bytes of hidden states a pipeline holds: each microbatch's target result from
     when it is produced, plus its copy on another device, until the microbatch leaves.
 
-    Invariant: `held` is the sum of the microbatches' entries, `peak` the most `held`
-    has been, and `per_microbatch` the most one entry has been. A microbatch that left
-    is closed: its target's bytes, should they arrive after it left, are not counted."""
+    Invariant: `held` is the sum of the open microbatches' entries, `peak` the most
+    `held` has been, and `per_microbatch` the most one entry has been. A microbatch is
+    open from when it enters the window (`open`) until it leaves (`release`), so at most
+    the window's depth are open and the ledger stays that small however long a run is.
+    Bytes of a microbatch that is not open, such as its target's arriving after it left,
+    are not counted."""
 
     def __init__(self) -> None:
-        self._by_microbatch: dict[int, int] = {}
-        self._closed: set[int] = set()
+        self._by_microbatch: dict[int, int] = {}  # the open microbatches' bytes
         self._held = 0
         self._peak = 0
         self._per_microbatch = 0
 
+    def __len__(self) -> int:
+        """The microbatches the ledger keeps an entry for: the open ones."""
+        return len(self._by_microbatch)
+
+    def open(self, k: int) -> None:
+        """Microbatch k entered the window: its bytes count from now until it leaves."""
+        self._by_microbatch.setdefault(k, 0)
+
     def hold(self, k: int, nbytes: int) -> None:
-        """Counts `nbytes` more for microbatch k, unless it is closed."""
-        if nbytes == 0 or k in self._closed:
+        """Counts `nbytes` more for microbatch k, unless it is not open."""
+        if k not in self._by_microbatch:
             return
-        held = self._by_microbatch.get(k, 0) + nbytes
+        held = self._by_microbatch[k] + nbytes
         self._by_microbatch[k] = held
         self._per_microbatch = max(self._per_microbatch, held)
         self._held += nbytes
         self._peak = max(self._peak, self._held)
 
     def release(self, k: int) -> None:
-        """Microbatch k left, and is closed: its target's bytes may still be counted after
-        its drafter took them (the target's done-callback can run after the drafter has
-        finished), and must then not be."""
-        self._closed.add(k)
+        """Microbatch k left: its bytes no longer count, nor do any that come later (the
+        target's done-callback can run after the drafter has finished)."""
         self._held -= self._by_microbatch.pop(k, 0)
 
     def release_all(self) -> None:
-        """Every microbatch left (the pipeline stopped); all are closed."""
-        for k in list(self._by_microbatch):
-            self.release(k)
-
-    def new_run(self) -> None:
-        """A run starts: microbatch indices after a stop repeat earlier ones, so none is
-        closed any more."""
-        self._closed.clear()
+        """Every microbatch left (the pipeline stopped)."""
+        self._by_microbatch.clear()
+        self._held = 0
 
     def stats(self) -> dict[str, int]:
         return {

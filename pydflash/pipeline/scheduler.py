@@ -176,7 +176,6 @@ class Pipeline:
             if self._active:
                 raise PipelineError("this pipeline is already running")
             self._active = True
-            self._hidden.new_run()
             self._window.clear()
             self._last_drafter = [None] * len(self._drafter_lanes)
         self._threads = torch.get_num_threads()
@@ -310,11 +309,13 @@ class Pipeline:
                 oldest.event.synchronize()  # releases the GIL; ends even after a failure
             oldest.held = None
         with self._cond:
-            return self._window.enter(k)
+            flight = self._window.enter(k)
+            self._hidden.open(k)
+            return flight
 
     def _cancel_flight(self) -> None:
         with self._cond:
-            self._window.cancel_newest()
+            self._hidden.release(self._window.cancel_newest().k)
             self._cond.notify_all()
 
     def _submit_optimizer_step(self, step: int, microbatches: list[Future]) -> list[Future]:
