@@ -14,7 +14,7 @@ import torch
 import pydflash
 from pydflash.errors import PipelineError
 from pydflash.pipeline import Pipeline, StepResult
-from pydflash.pipeline import scheduler as pipeline_module
+from pydflash.pipeline import microbatch as microbatch_module
 from pydflash.pipeline._failures import STAGES
 from pydflash.pipeline.stages import GraphTarget, TargetStage
 from pydflash.pipeline.stages import drafter as drafter_module
@@ -274,10 +274,10 @@ def test_the_hidden_byte_ledger_stays_within_the_window_over_a_long_run(lanes):
     pipe, _ = build(lanes, depth=depth)
     data = make_data(8)
     for _ in pipe.run(data[i % len(data)] for i in range(n)):
-        assert len(pipe._hidden) <= depth
+        assert pipe._tracker.hidden_entries() <= depth
     stats = pipe.stats()
     assert stats["microbatches"] == n and stats["hidden_bytes_held"] == 0
-    assert len(pipe._hidden) == 0
+    assert pipe._tracker.hidden_entries() == 0
 
 
 def test_target_runs_ahead_while_the_drafter_trains(lanes):
@@ -401,7 +401,7 @@ def test_a_failing_stage_raises_pipeline_error_naming_it(lanes, stage, at, lane,
 
 @pytest.mark.timeout(60)
 def test_a_failing_transfer_names_the_drafter_lane(lanes, monkeypatch):
-    real = pipeline_module.hand_to_lane
+    real = microbatch_module.hand_to_lane
     calls = []
 
     def handoff(value, src, event, dst):
@@ -410,7 +410,7 @@ def test_a_failing_transfer_names_the_drafter_lane(lanes, monkeypatch):
             raise Boom("copy")
         return real(value, src, event, dst)
 
-    monkeypatch.setattr(pipeline_module, "hand_to_lane", handoff)
+    monkeypatch.setattr(microbatch_module, "hand_to_lane", handoff)
     error, _, _ = run_failing(lanes, "none", -1)
     assert (error.stage, error.microbatch, error.lane) == ("transfer", 2, "lane 1 (cpu)")
     assert isinstance(error.__cause__, Boom)

@@ -1,27 +1,24 @@
 """What a pipeline has in flight: the window of microbatches between target submit and
 drafter completion (at most `depth`), the hidden-state bytes they hold, and each step's
-optimizer tasks. None of these is locked: the pipeline calls them under its condition.
+optimizer tasks. None of these is locked: the pipeline's Tracker (_tracker.py) calls
+them under its condition.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ..lanes._future import Future
+from typing import Any
 
 
 class Flight:
-    """One microbatch in the window: its drafter task's future, the event recorded after
-    that task's GPU work (GPU lanes), whether the task has ended (its done callback has
-    run, so the pipeline's counts include it), and, for stream programs, what they read."""
+    """One microbatch in the window: the event recorded after its drafter task's GPU
+    work (GPU lanes), whether that task has ended (its done callback has run, so the
+    pipeline's counts include it), and, for stream programs, what they read."""
 
-    __slots__ = ("ended", "event", "future", "held", "k")
+    __slots__ = ("ended", "event", "held", "k")
 
     def __init__(self, k: int) -> None:
         self.k = k
-        self.future: Future | None = None
         self.event: Any = None
         self.ended = False
         self.held: Any = None  # what its stream programs read, kept until `event` passed

@@ -34,10 +34,9 @@ sums: bit-identical to a loop when accumulate == R, equal up to summation order 
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -45,10 +44,12 @@ from .._checks import counted, lanes_of, per_lane
 from ..errors import PipelineError
 from ..lanes._future import Future
 from ..lanes._torch_state import match_intra_op_threads
-from ..lanes.handoff import hand_to_lane, peer_access, tensors
+from ..lanes.handoff import peer_access
 from ..lanes.lane import Lane
-from ._failures import Outstanding, failure_of, input_of, stage_error
-from ._flight import Flight, FlightWindow, HiddenBytes, StepTasks
+from ._failures import input_of, stage_error
+from ._flight import Flight, StepTasks
+from ._tracker import Task, Tracker
+from .microbatch import Microbatch, MicrobatchSubmitter
 from .native_microbatch import NativeMicrobatches
 from .stages import DrafterStage, EagerDrafter, EagerTarget, TargetStage
 from .step_result import StepResult
@@ -127,21 +128,16 @@ class Pipeline:
                 f"got {accumulate}"
             )
         self.clip_grad_norm = self._drafter.clip_grad_norm
-        self._native = NativeMicrobatches.of(
+        # What the driver, the lane tasks and their done-callbacks share, under one
+        # condition (the comment at Tracker._cond says what it guards).
+        self._tracker = Tracker(self.depth, n_drafters)
+        native = NativeMicrobatches.of(
             self._targets, self._target_lanes, self._drafter, self._drafter_lanes, self.depth
         )
-        # Each replica's latest drafter future: a native target waits for it (Note
-        # [Native microbatch] in pydflash/pipeline/native_microbatch.py).
-        self._last_drafter: list[Future | None] = [None] * n_drafters
-
-        self._cond = threading.Condition()
+        self._submitter = MicrobatchSubmitter(self._tracker, self._drafter, native)
+        # The driver's alone (the thread iterating run()); lane tasks read _threads only
+        # after the submit that follows its write.
         self._threads = torch.get_num_threads()  # the driver's, set again at each run
-        self._active = False
-        self._outstanding = Outstanding()
-        self._window = FlightWindow(self.depth)
-        self._hidden = HiddenBytes()
-        self._microbatches = 0  # trained (forward and backward done)
-        self._steps = 0  # applied on every replica
         self._next_step = 0  # indices of the next step submitted and its first microbatch
         self._next_microbatch = 0
 
@@ -160,33 +156,18 @@ class Pipeline:
             raise TypeError(
                 f"expected an iterable of batches, got {type(batches).__name__}"
             ) from None
-        self._check_usable()
+        self._tracker.check_usable()
         return self._drive(batch_iter, steps)
 
-    def _check_usable(self) -> None:
-        failure = self._outstanding.failure
-        if failure is not None:
-            raise PipelineError(
-                "this pipeline stopped after a failure; build a new one", stage=failure.stage
-            ) from failure
-
     def _drive(self, batches: Iterator[Any], steps: int | None) -> Iterator[StepResult]:
-        with self._cond:
-            self._check_usable()
-            if self._active:
-                raise PipelineError("this pipeline is already running")
-            self._active = True
-            self._window.clear()
-            self._last_drafter = [None] * len(self._drafter_lanes)
+        self._tracker.start_run()
         self._threads = torch.get_num_threads()
+        self._submitter.start_run(self._threads, self._target_lanes)
         finished = False
         pending: deque[tuple[StepResult, StepTasks]] = deque()
-        if self._native is not None:
-            self._native.start_run(self._target_lanes)
         try:
             for r, lane in enumerate(self._drafter_lanes):
-                future = lane.submit(self._zero_grad_task, r)
-                self._track(future, "optimizer", None, lane)
+                self._tracker.track(lane.submit(self._zero_grad_task, r), Task("optimizer", lane))
             submitted = 0
             while steps is None or submitted < steps:
                 submitted_step = self._submit_step(batches)
@@ -194,129 +175,70 @@ class Pipeline:
                     break
                 submitted += 1
                 pending.append(submitted_step)
-                while pending and pending[0][1].ended:
+                while pending and self._tracker.step_ended(pending[0][1]):
                     yield self._applied(pending.popleft()[0])
             while pending:
-                self._wait_until(lambda: pending[0][1].ended)
+                self._tracker.wait_step(pending[0][1])
                 yield self._applied(pending.popleft()[0])
-            self._wait_until(lambda: not self._outstanding)
+            self._tracker.wait_idle()
+            self._raise_failure()
             finished = True
         finally:
             if not finished:
                 self._stop()
-            with self._cond:
-                self._active = False
+            self._tracker.end_run()
 
     # --- submits ------------------------------------------------------------------------
     def _submit_step(self, batches: Iterator[Any]) -> tuple[StepResult, StepTasks] | None:
         first = self._next_microbatch
-        n_drafters = len(self._drafter_lanes)
         losses = []
         for i in range(self.accumulate):
-            k = first + i
             try:
                 batch = next(batches)
             except StopIteration:
                 return None
             except Exception as exc:  # noqa: BLE001 - raised below, as the pipeline's failure
-                self._fail(stage_error("data", k, None, exc))
-                self._raise_failure()
-            last = i >= self.accumulate - n_drafters  # the replica's last of the step
-            losses.append(self._submit_microbatch(k, i % n_drafters, batch, last))
+                self._fail(stage_error("data", first + i, None, exc))
+            losses.append(self._submit_microbatch(first + i, i, batch))
         step = self._next_step
         self._next_microbatch += self.accumulate
         self._next_step += 1
         record = StepResult(step, range(first, first + self.accumulate), losses)
-        step_futures = self._submit_optimizer_step(step, losses)
-        tasks = StepTasks(len(step_futures))
-        with self._cond:
-            for future in step_futures:
-                self._watch_step(future, tasks)
+        tasks = self._tracker.watch_step(self._submit_optimizer_step(step, losses))
         return record, tasks
 
-    def _submit_microbatch(self, k: int, replica: int, batch: Any, last: bool) -> Future:
+    def _submit_microbatch(self, k: int, i: int, batch: Any) -> Future:
+        """Microbatch k, the step's i-th (Note [Pipeline order])."""
+        n_drafters = len(self._drafter_lanes)
         flight = self._enter_window(k)
-        t_index = k % len(self._target_lanes)
-        t_lane, d_lane = self._target_lanes[t_index], self._drafter_lanes[replica]
-        if self._native is not None:
-            drafter = self._submit_native(flight, t_index, t_lane, replica, batch)
-            if drafter is not None:
-                return drafter
-        try:
-            target = self._targets[t_index].submit(t_lane, batch)
-        except BaseException as exc:  # noqa: BLE001 - raised below, as the pipeline's failure
-            self._cancel_flight()
-            self._fail(stage_error("target", k, t_lane, exc))
-            self._raise_failure()
-        self._track(
-            target,
-            "target",
-            k,
-            t_lane,
-            on_result=lambda f: self._hold(k, sum(t.nbytes for t in tensors(f.result()))),
+        t_index, replica = k % len(self._target_lanes), i % n_drafters
+        microbatch = Microbatch(
+            flight,
+            t_index,
+            self._targets[t_index],
+            self._target_lanes[t_index],
+            replica,
+            self._drafter_lanes[replica],
+            last=i >= self.accumulate - n_drafters,
         )
         try:
-            drafter = d_lane.submit(
-                self._drafter_task, flight, replica, target, self._targets[t_index], t_lane, last
-            )
-        except BaseException as exc:  # noqa: BLE001 - raised below, as the pipeline's failure
-            target.cancel()
-            self._cancel_flight()
-            self._fail(stage_error("drafter", k, d_lane, exc))
-            self._raise_failure()
-        flight.future = drafter
-        self._last_drafter[replica] = drafter
-        self._track(drafter, "drafter", k, d_lane, flight=flight)
-        return drafter
-
-    def _submit_native(
-        self, flight: Flight, t_index: int, t_lane: Lane, replica: int, batch: Any
-    ) -> Future | None:
-        """Microbatch k as two stream programs, or None when it does not qualify (Note
-        [Native microbatch]); it then holds no hidden states of its own."""
-        k, d_lane = flight.k, self._drafter_lanes[replica]
-        try:
-            launched = self._native.submit(
-                k, t_index, t_lane, replica, batch, self._last_drafter[replica]
-            )
-        except BaseException as exc:  # noqa: BLE001 - raised below, as the pipeline's failure
-            self._cancel_flight()
-            self._fail(stage_error("target", k, t_lane, exc))
-            self._raise_failure()
-        if launched is None:
-            return None
-        target, drafter, event, held = launched
-        with self._cond:
-            flight.event, flight.held = event, held
-            # No callback of its own: its worker would take the GIL for it. The drafter
-            # program waits for it, so the drafter's callback ends it (Note [Native microbatch]).
-            self._outstanding.add(target, cancellable=True)
-        flight.future = drafter
-        self._last_drafter[replica] = drafter
-        self._track(drafter, "drafter", k, d_lane, flight=flight, upstream=(target, t_lane))
-        return drafter
+            return self._submitter.submit(microbatch, batch)
+        except PipelineError as error:
+            self._fail(error)
 
     def _enter_window(self, k: int) -> Flight:
         """Waits until microbatch k - depth has left the window, its GPU work included,
         and enters microbatch k."""
-        with self._cond:
-            oldest = self._window.oldest() if self._window.full else None
+        oldest = self._tracker.oldest_to_leave()
         if oldest is not None:
-            self._wait_until(lambda: oldest.ended)
-            with self._cond:
-                self._window.leave_oldest()
+            self._tracker.wait_ended(oldest)
+            self._raise_failure()
+            self._tracker.leave_oldest()
+            # It left: only this thread touches it now.
             if oldest.event is not None:
                 oldest.event.synchronize()  # releases the GIL; ends even after a failure
             oldest.held = None
-        with self._cond:
-            flight = self._window.enter(k)
-            self._hidden.open(k)
-            return flight
-
-    def _cancel_flight(self) -> None:
-        with self._cond:
-            self._hidden.release(self._window.cancel_newest().k)
-            self._cond.notify_all()
+        return self._tracker.enter(k)
 
     def _submit_optimizer_step(self, step: int, microbatches: list[Future]) -> list[Future]:
         # Step tasks are never cancelled: each checks that its step's microbatches all
@@ -324,56 +246,20 @@ class Pipeline:
         lanes = self._drafter_lanes
         if len(lanes) == 1:
             future = lanes[0].submit(self._step_task, step, 0, None, microbatches)
-            self._track(future, "optimizer", None, lanes[0], step=step, cancellable=False)
+            self._tracker.track(future, Task("optimizer", lanes[0], step=step, cancellable=False))
             return [future]
         reduced = lanes[0].submit(self._reduce_task, step, microbatches)
-        self._track(reduced, "reduce", None, lanes[0], step=step, cancellable=False)
+        self._tracker.track(reduced, Task("reduce", lanes[0], step=step, cancellable=False))
         futures = []
         for r, lane in enumerate(lanes):
             future = lane.submit(self._step_task, step, r, reduced, ())
-            self._track(future, "optimizer", None, lane, step=step, cancellable=False)
+            self._tracker.track(future, Task("optimizer", lane, step=step, cancellable=False))
             futures.append(future)
         return futures
 
-    # --- the lane tasks: inputs in, then the drafter stage ------------------------------
+    # --- the optimizer's lane tasks (the drafter's: MicrobatchSubmitter) -------------------
     def _zero_grad_task(self, replica: int) -> None:
         self._drafter.zero_grad(replica)
-
-    def _drafter_task(
-        self,
-        flight: Flight,
-        replica: int,
-        target: Future,
-        stage: TargetStage,
-        t_lane: Lane,
-        all_reduce: bool,
-    ) -> Any:
-        k, lane = flight.k, self._drafter_lanes[replica]
-        match_intra_op_threads(self._threads)
-        produced = input_of(target)
-        # A recycled result goes back to its stage once the drafter's GPU work is done.
-        recycled = produced if stage.recycles and lane.is_gpu else None
-        try:
-            inputs, moved_bytes = hand_to_lane(produced, t_lane, target.event, lane)
-        except BaseException as exc:
-            raise stage_error("transfer", k, lane, exc) from exc
-        finally:
-            target.replace_result(None)  # the drafter holds what it needs; see depth
-            del produced
-        self._hold(k, moved_bytes)
-        try:
-            loss = self._drafter.train(replica, inputs, all_reduce=all_reduce)
-            if lane.is_gpu:
-                # Blocking: the driver's wait for it (_enter_window) sleeps, not spins.
-                gpu_done = torch.cuda.Event(blocking=True)
-                gpu_done.record(lane.stream)
-                with self._cond:
-                    flight.event = gpu_done
-                if recycled is not None:
-                    stage.release(recycled, gpu_done)
-            return loss
-        except BaseException as exc:
-            raise stage_error("drafter", k, lane, exc) from exc
 
     def _reduce_task(self, step: int, microbatches: list[Future]) -> Any:
         for future in microbatches:
@@ -392,113 +278,35 @@ class Pipeline:
         total = None if reduced is None else (input_of(reduced), reduced.event)
         self._drafter.step(step, replica, total)
 
-    # --- bookkeeping --------------------------------------------------------------------
-    def _track(
-        self,
-        future: Future,
-        stage: str,
-        k: int | None,
-        lane: Lane,
-        *,
-        flight: Flight | None = None,
-        step: int | None = None,
-        cancellable: bool = True,
-        on_result: Callable[[Future], None] | None = None,
-        upstream: tuple[Future, Lane] | None = None,
-    ) -> None:
-        """Counts `future` outstanding until its done callback. `upstream`: a target
-        future (and its lane) this one waited for, already outstanding, ended here too:
-        first, so that its failure is the one reported."""
-        with self._cond:
-            self._outstanding.add(future, cancellable=cancellable)
-
-        def done(f: Future) -> None:
-            if upstream is not None:
-                target, t_lane = upstream
-                if target.done():
-                    self._ended(target, "target", k, t_lane)
-                else:  # cancelled before it waited for the target
-                    target.add_done_callback(lambda t: self._ended(t, "target", k, t_lane))
-            self._ended(f, stage, k, lane, flight=flight, step=step, on_result=on_result)
-
-        future.add_done_callback(done)
-
-    def _ended(
-        self,
-        f: Future,
-        stage: str,
-        k: int | None,
-        lane: Lane,
-        *,
-        flight: Flight | None = None,
-        step: int | None = None,
-        on_result: Callable[[Future], None] | None = None,
-    ) -> None:
-        trained = not f.cancelled() and f.exception() is None
-        if trained and on_result is not None:
-            on_result(f)
-        failure = failure_of(f, stage, k, lane, step=step)
-        with self._cond:
-            self._outstanding.ended(f)
-            if failure is not None:
-                self._outstanding.fail(failure)
-            if flight is not None:
-                flight.ended = True
-                self._hidden.release(flight.k)
-                self._microbatches += trained
-            self._cond.notify_all()
-
-    def _watch_step(self, future: Future, tasks: StepTasks) -> None:
-        def done(f: Future) -> None:
-            ok = not f.cancelled() and f.exception() is None
-            with self._cond:
-                self._steps += tasks.task_ended(ok)
-                self._cond.notify_all()
-
-        future.add_done_callback(done)
-
+    # --- failures and stopping ----------------------------------------------------------
     def _applied(self, record: StepResult) -> StepResult:
         self._raise_failure()
         return record
 
-    def _hold(self, k: int, nbytes: int) -> None:
-        with self._cond:
-            self._hidden.hold(k, nbytes)
-
-    def _fail(self, error: PipelineError) -> None:
-        with self._cond:
-            self._outstanding.fail(error)
-            self._cond.notify_all()
+    def _fail(self, error: PipelineError) -> NoReturn:
+        """Stops on `error`, or on an earlier failure if one came first, and raises it."""
+        self._tracker.fail(error)
+        self._raise_failure()
+        raise AssertionError("unreachable: a failure was just recorded")
 
     def _raise_failure(self) -> None:
-        failure = self._outstanding.failure
+        failure = self._tracker.failure
         if failure is not None:
             self._stop()
             raise failure
 
-    def _wait_until(self, predicate: Callable[[], bool]) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._outstanding.failure is not None or predicate())
-        self._raise_failure()
-
     def _stop(self) -> None:
         """Cancels queued microbatch work, newest first, and waits for the rest: what runs
         has inputs that are finished or cancelled, so it ends."""
-        with self._cond:
-            futures, cancellable = self._outstanding.to_stop()
+        futures, cancellable = self._tracker.to_stop()
         for future in cancellable:
             future.cancel()
         concurrent.futures.wait(futures)
-        with self._cond:
-            held = self._window.holds_buffers()
-        if held:  # the GPU may still read what stream programs of those flights hold
+        if self._tracker.holds_buffers():  # the GPU may still read what stream programs hold
             for device in {lane.device_index for lane in self._target_lanes}:
                 torch.cuda.synchronize(device)
-        with self._cond:
-            self._window.clear()
-            self._next_step = self._steps
-            self._next_microbatch = self._steps * self.accumulate
-            self._hidden.release_all()
+        self._next_step = self._tracker.stopped()
+        self._next_microbatch = self._next_step * self.accumulate
 
     # --- introspection ------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -506,20 +314,15 @@ class Pipeline:
         microbatch held (its target result, plus its copy on another device).
         "native_microbatches": those submitted as stream programs (Note [Native
         microbatch] in pydflash/pipeline/native_microbatch.py), which hold none of their own."""
-        with self._cond:
-            return {
-                "steps": self._steps,
-                "microbatches": self._microbatches,
-                "cancelled": self._outstanding.cancelled,
-                "depth": self.depth,
-                "accumulate": self.accumulate,
-                "in_flight": self._window.in_flight(),
-                "native_microbatches": 0 if self._native is None else self._native.submitted,
-                **self._hidden.stats(),
-                "target_lanes": [lane.label for lane in self._target_lanes],
-                "drafter_lanes": [lane.label for lane in self._drafter_lanes],
-                "peer_copy": peer_access(self._target_lanes, self._drafter_lanes),
-            }
+        return {
+            **self._tracker.stats(),
+            "depth": self.depth,
+            "accumulate": self.accumulate,
+            "native_microbatches": self._submitter.native_submitted,
+            "target_lanes": [lane.label for lane in self._target_lanes],
+            "drafter_lanes": [lane.label for lane in self._drafter_lanes],
+            "peer_copy": peer_access(self._target_lanes, self._drafter_lanes),
+        }
 
     def __repr__(self) -> str:
         return (
