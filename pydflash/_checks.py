@@ -50,7 +50,8 @@ def per_lane(
 ) -> list[Any]:
     """One value per lane: a sequence of `count` values, or a single value shared by all
     lanes. `one_each` names lanes that each need their own: one value is then refused
-    for several lanes. `kind` says in errors what `accepts` takes."""
+    for several lanes, and so is one object given twice. `kind` says in errors what
+    `accepts` takes."""
     if accepts(value):
         if count > 1 and one_each is not None:
             raise ValueError(f"expected one {name} per {one_each} ({count}), got one {name}")
@@ -61,5 +62,14 @@ def per_lane(
         for item in value:
             if not accepts(item):
                 raise TypeError(f"expected each {name} to be {kind}, got {type(item).__name__}")
+        if one_each is not None:
+            first: dict[int, int] = {}
+            for i, item in enumerate(value):
+                j = first.setdefault(id(item), i)
+                if j != i:
+                    raise ValueError(
+                        f"expected a distinct {name} per {one_each}, got the same {name} for "
+                        f"{one_each}s {j} and {i}"
+                    )
         return list(value)
     raise TypeError(f"expected {name} to be {kind} or a list of them, got {type(value).__name__}")

@@ -610,6 +610,25 @@ def test_a_pipeline_runs_one_loop_at_a_time(lanes):
     first.close()
 
 
+def test_one_module_or_optimizer_given_for_two_replicas_is_refused(lanes):
+    # Replicas share nothing: one module (or optimizer) given twice would train as two
+    # replicas on the same weights and return wrong losses.
+    drafter, optimizer = make_drafter()
+    other, other_opt = make_drafter()
+    args = {"target": Target(), "loss": drafter_loss, "accumulate": 2}
+    given = [
+        ({"drafter": [drafter, drafter], "optimizer": [optimizer, other_opt]}, "drafter"),
+        ({"drafter": [drafter, other], "optimizer": [optimizer, optimizer]}, "optimizer"),
+    ]
+    for kwargs, name in given:
+        with pytest.raises(ValueError) as refused:
+            Pipeline(lanes[:1], lanes[1:3], **args, **kwargs)
+        assert str(refused.value) == (
+            f"expected a distinct {name} per drafter lane, got the same {name} for drafter "
+            "lanes 0 and 1"
+        )
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
@@ -659,14 +678,14 @@ def test_bad_lanes_and_replicas_raise_typed_errors(lanes):
                 "accumulate": 3,
             },
         )
-    with pytest.raises(ValueError, match="optimizer 1 over drafter 1's parameters"):
+    with pytest.raises(ValueError, match="optimizer 0 over drafter 0's parameters"):
         Pipeline(
             lanes[:1],
             lanes[1:3],
             **{
                 **args,
                 "drafter": [drafter, other],
-                "optimizer": [optimizer, optimizer],
+                "optimizer": [other_opt, optimizer],
                 "accumulate": 2,
             },
         )
