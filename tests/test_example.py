@@ -272,7 +272,7 @@ def test_the_tiny_example_trains_and_writes_a_loss_curve(tmp_path):
     assert stats["hidden_bytes_peak"] <= 2 * stats["hidden_bytes_per_microbatch"]  # depth 2
     spans = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     labels = {e["name"] for e in spans if e["ph"] == "X"}
-    assert {"_run_target", "Pipeline._drafter_task", "Pipeline._step_task"} <= labels
+    assert {"_run_target", "MicrobatchSubmitter._drafter_task", "Pipeline._step_task"} <= labels
 
 
 @pytest.mark.timeout(300)
