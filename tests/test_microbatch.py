@@ -85,4 +85,3 @@ def test_leaving_early_cancels_the_queued_target_programs(native_pipeline):
     finally:
         release.set()
         blocker.result(WAIT_S)
-    assert pipe.stats()["steps"] == 1
