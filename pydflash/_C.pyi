@@ -1,11 +1,37 @@
 # Stubs for the native module pydflash._C (csrc/python). tests/test_stubs.py fails
 # when these drift from what the module defines.
+import enum
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 __version__: str
 BUILD: dict[str, Any]
 MAX_SPIN_US: float
+# Note [Python entry points] in csrc/python/entry_points.h: (module, name) of each.
+PYTHON_ENTRY_POINTS: tuple[tuple[str, str], ...]
+
+class StreamOpKind(enum.IntEnum):
+    """The kinds of stream op (csrc/core/stream_program.h)."""
+
+    COPY = 0
+    FILL = 1
+    FILL_I64 = 2
+    GRAPH = 3
+    WAIT_INPUT = 4
+    RECORD = 5
+
+class StreamOp(NamedTuple):
+    """One op of a stream program (Lane.submit_program): a StreamOpKind and the fields it
+    reads, the others 0 (csrc/core/stream_program.h says which)."""
+
+    kind: StreamOpKind
+    dst: int = 0
+    src: int = 0
+    dpitch: int = 0
+    spitch: int = 0
+    width: int = 0
+    height: int = 0
+    value: int = 0
 
 class FutureBase:
     """Native half of pydflash.Future."""
@@ -63,7 +89,7 @@ class Lane:
     def forked(self) -> bool: ...
     def submit_graph(self, graph_exec: int, keepalive: Any, owner: Any) -> Any: ...
     def submit_program(
-        self, ops: Sequence[tuple[int, ...]], keepalive: Any, input: Any, owner: Any
+        self, ops: Sequence[StreamOp], keepalive: Any, input: Any, owner: Any
     ) -> Any: ...
     def load(self) -> int: ...
     def stats(self) -> dict[str, Any]: ...

@@ -17,26 +17,24 @@ import pytest
 import torch
 
 import pydflash
+from pydflash._C import StreamOp as Op
+from pydflash._C import StreamOpKind as Kind
 from pydflash.graphs.buckets import copy_padded
-from pydflash.pipeline import native_microbatch as nm
 from pydflash.pipeline.native_microbatch import NativeMicrobatches, copy_padded_ops, row_pitch
 from pydflash.pipeline.stages import EagerDrafter
 from pydflash.pipeline.stages.drafter_graphs import DrafterGraphs
 from tests.test_drafter_graphs import WIDTH, Toy, masked_loss, microbatches
 
 
-def run_on_host(ops: list[tuple[int, ...]]) -> None:
+def run_on_host(ops: list[Op]) -> None:
     """Runs copies and fills on host memory, as csrc/core/stream_program.cpp issues them."""
     for op in ops:
-        kind = op[0]
-        if kind == nm.COPY:
-            _, dst, dpitch, src, spitch, width, height = op
-            for row in range(height):
-                ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
-        elif kind == nm.FILL:
-            _, dst, pitch, value, width, height = op
-            for row in range(height):
-                ctypes.memset(dst + row * pitch, value, width)
+        if op.kind == Kind.COPY:
+            for row in range(op.height):
+                ctypes.memmove(op.dst + row * op.dpitch, op.src + row * op.spitch, op.width)
+        elif op.kind == Kind.FILL:
+            for row in range(op.height):
+                ctypes.memset(op.dst + row * op.dpitch, op.value, op.width)
         else:
             raise AssertionError(f"not a host op: {op}")
 
@@ -62,7 +60,7 @@ def test_padded_copy_ops_write_what_copy_padded_writes(seed):
     want = torch.full(static_shape, 7, dtype=dtype)
     copy_padded(want, x, 0)
     got = torch.full(static_shape, 7, dtype=dtype)
-    ops: list[tuple[int, ...]] = []
+    ops: list[Op] = []
     copy_padded_ops(ops, got, src.data_ptr(), row_pitch(source), b, t)
     run_on_host(ops)
     assert torch.equal(got, want)
@@ -73,23 +71,28 @@ def test_malformed_programs_are_refused_with_typed_errors():
         lane = d.lanes[0]
         buffer = torch.zeros(16, dtype=torch.uint8)
         p = buffer.data_ptr()
+        copy = {"dst": p, "dpitch": 8, "src": p + 8, "spitch": 8, "width": 8, "height": 1}
         cases = [
-            ([[nm.GRAPH, 1]], TypeError, "as a tuple"),
-            ([(nm.GRAPH, "1")], TypeError, "int fields"),
-            ([(9,)], ValueError, "kind from 0 to 5"),
-            ([(nm.GRAPH,)], ValueError, "to have 2 fields"),
-            ([(nm.FILL, p, 8, 256, 8, 1)], ValueError, "fill byte"),
-            ([(nm.COPY, p, 4, p + 8, 8, 8, 2)], ValueError, "pitch"),
-            ([(nm.COPY, p, 8, 0, 8, 8, 1)], ValueError, "source address"),
-            ([(nm.FILL_I64, p + 1, 1, 5)], ValueError, "aligned"),
-            ([(nm.RECORD, 0)], ValueError, "event to record"),
-            ([(nm.WAIT_INPUT,)], ValueError, "CPU lane"),  # well formed: refused for the lane
+            (3, TypeError, "sequence of _C.StreamOp"),
+            ([(Kind.GRAPH, 1)], TypeError, "as a pydflash._C.StreamOp, got tuple"),
+            ([Op(Kind.GRAPH, src="1")], TypeError, "stream op 0's src to be an int, got str"),
+            ([Op(9)], ValueError, "kind from 0 to 5, got 9"),
+            ([Op(-1)], ValueError, "kind from 0 to 5, got -1"),
+            ([Op(Kind.GRAPH, dst=p, src=1)], ValueError, "a GRAPH op to leave dst at 0"),
+            ([Op(Kind.WAIT_INPUT, value=1)], ValueError, "a WAIT_INPUT op to leave value at 0"),
+            ([Op(Kind.COPY, **copy, value=7)], ValueError, "a COPY op to leave value at 0"),
+            ([Op(Kind.FILL, dst=p, dpitch=8, value=256, width=8, height=1)], ValueError, "byte"),
+            ([Op(Kind.COPY, **{**copy, "dpitch": 4, "height": 2})], ValueError, "pitch"),
+            ([Op(Kind.COPY, **{**copy, "src": 0})], ValueError, "source address"),
+            ([Op(Kind.FILL_I64, dst=p + 1, width=1, value=5)], ValueError, "aligned"),
+            ([Op(Kind.RECORD)], ValueError, "event to record"),
+            ([Op(Kind.WAIT_INPUT)], ValueError, "CPU lane"),  # well formed: refused for the lane
         ]
         for ops, error, match in cases:
             with pytest.raises(error, match=match):
                 lane.submit_program(ops, buffer)
         with pytest.raises(TypeError, match="pydflash future or None"):
-            lane._native.submit_program([(nm.WAIT_INPUT,)], None, object(), lane)
+            lane._native.submit_program([Op(Kind.WAIT_INPUT)], None, object(), lane)
 
 
 def test_cpu_pipelines_take_the_python_path():
@@ -237,12 +240,22 @@ def test_gpu_a_program_after_a_cancelled_task_issues_nothing():
         queued = lane.submit(lambda: None)
         assert queued.cancel()
         dst, src = torch.zeros(4, device="cuda"), torch.ones(4, device="cuda")
-        ops = [(nm.COPY, dst.data_ptr(), 16, src.data_ptr(), 16, 16, 1)]
+        ops = [
+            Op(
+                Kind.COPY,
+                dst=dst.data_ptr(),
+                dpitch=16,
+                src=src.data_ptr(),
+                spitch=16,
+                width=16,
+                height=1,
+            )
+        ]
         after_cancelled = lane.submit_program(ops, (dst, src), after=queued)
         gate.set()
         with pytest.raises(pydflash.InputFailedError, match="cancelled"):
             after_cancelled.result()
-        lane.submit_program([(nm.FILL_I64, dst.data_ptr(), 2, 7)], dst).result()
+        lane.submit_program([Op(Kind.FILL_I64, dst=dst.data_ptr(), width=2, value=7)], dst).result()
         torch.cuda.synchronize()
         assert dst.view(torch.int64).tolist() == [7, 7]  # the copy never ran
         lane.submit_program(ops, (dst, src)).result()
@@ -273,7 +286,7 @@ def test_gpu_programs_without_a_keepalive_drop_their_references_without_the_gil(
         dst = torch.zeros(2, dtype=torch.int64, device="cuda")
         refs = []
         for i in range(150):
-            future = lane.submit_program([(nm.FILL_I64, dst.data_ptr(), 2, i)])
+            future = lane.submit_program([Op(Kind.FILL_I64, dst=dst.data_ptr(), width=2, value=i)])
             future.result()
             refs.append(weakref.ref(future))
             del future

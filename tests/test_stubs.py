@@ -1,6 +1,7 @@
 """pydflash/_C.pyi lists exactly what pydflash._C defines (names and members)."""
 
 import ast
+import enum
 from pathlib import Path
 
 import pydflash
@@ -19,9 +20,11 @@ def stub_names():
             names.add(node.target.id)
         if isinstance(node, ast.ClassDef):
             declared = (
-                n.name if isinstance(n, ast.FunctionDef) else n.target.id
+                n.name
+                if isinstance(n, ast.FunctionDef)
+                else (n.target if isinstance(n, ast.AnnAssign) else n.targets[0]).id
                 for n in node.body
-                if isinstance(n, (ast.FunctionDef, ast.AnnAssign))
+                if isinstance(n, (ast.FunctionDef, ast.AnnAssign, ast.Assign))
             )
             # Dunders are left out, as on the module's side; the stub declares some
             # (__init__, __call__, __enter__) for type checkers.
@@ -32,15 +35,19 @@ def stub_names():
 def module_names():
     names = {n for n in dir(_C) if not n.startswith("__") or n == "__version__"}
     members = {
-        name: {
-            m
-            for m in vars(getattr(_C, name))
-            if not (m.startswith("__") or m.startswith("_pybind11"))
-        }
+        name: {m for m in vars(cls) if not (m.startswith("__") or private_machinery(cls, m))}
         for name in names
-        if isinstance(getattr(_C, name), type)
+        if isinstance(cls := getattr(_C, name), type)
     }
     return names, members
+
+
+def private_machinery(cls: type, member: str) -> bool:
+    """pybind11's members, and the ones the standard library gives an enum or a named
+    tuple (_member_map_, _make, _asdict): not part of what the stub declares."""
+    if member.startswith("_pybind11"):
+        return True
+    return member.startswith("_") and issubclass(cls, (enum.Enum, tuple))
 
 
 def test_stub_matches_the_module():

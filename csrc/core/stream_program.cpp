@@ -1,11 +1,51 @@
 #include "core/stream_program.h"
 
+#include <initializer_list>
+
 #include "core/error.h"
 
 namespace pydflash {
+namespace {
+
+// Field indices in kStreamOpFields order; bit i of a mask: field i is read.
+enum Field : unsigned { kDst = 1, kSrc, kDpitch, kSpitch, kWidth, kHeight, kValue };
+constexpr unsigned bits(std::initializer_list<Field> fields) {
+  unsigned mask = 0;
+  for (Field f : fields) mask |= 1u << f;
+  return mask;
+}
+
+// The fields each kind reads, in Kind order (as StreamOp's comments say).
+constexpr unsigned kReads[] = {
+    bits({kDst, kDpitch, kSrc, kSpitch, kWidth, kHeight}),  // Copy
+    bits({kDst, kDpitch, kValue, kWidth, kHeight}),         // Fill
+    bits({kDst, kWidth, kValue}),                           // FillI64
+    bits({kSrc}),                                           // Graph
+    0,                                                      // WaitInput
+    bits({kDst}),                                           // Record
+};
+static_assert(sizeof(kReads) / sizeof(kReads[0]) == kStreamOpKindCount);
+
+// A field the op's kind does not read must be left at 0: a value there was meant for
+// another kind, or put in the wrong field.
+void check_unread_fields(const StreamOp& op) {
+  const auto kind = static_cast<size_t>(op.kind);
+  if (kind >= kStreamOpKindCount) return;  // check_op refuses it
+  const uint64_t values[] = {0,         op.dst,   op.src,    op.dpitch,
+                             op.spitch, op.width, op.height, static_cast<uint64_t>(op.value)};
+  static_assert(sizeof(values) / sizeof(values[0]) == kStreamOpFieldCount);
+  for (size_t i = 1; i < kStreamOpFieldCount; ++i) {
+    PYDFLASH_CHECK_VALUE(values[i] == 0 || (kReads[kind] >> i & 1u), "expected a ",
+                         kStreamOpKinds[kind], " op to leave ", kStreamOpFields[i], " at 0, got ",
+                         static_cast<int64_t>(values[i]));
+  }
+}
+
+}  // namespace
 
 void check_op(const StreamOp& op) {
   using Kind = StreamOp::Kind;
+  check_unread_fields(op);
   switch (op.kind) {
     case Kind::Copy:
       PYDFLASH_CHECK_VALUE(op.src != 0, "expected a source address for a copy, got 0");

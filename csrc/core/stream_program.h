@@ -11,6 +11,9 @@
 
 namespace pydflash {
 
+/// One op. Python builds it as pydflash._C.StreamOp, a named tuple of these fields in
+/// this order (kStreamOpFields), and names the kinds with _C.StreamOpKind (kStreamOpKinds):
+/// both are made from the tables below, the one list of either.
 struct StreamOp {
   enum class Kind : int {
     Copy = 0,       // height rows of width bytes from src (spitch apart) to dst (dpitch apart)
@@ -30,9 +33,18 @@ struct StreamOp {
   int64_t value = 0;
 };
 
+/// The kinds' names, in Kind order.
+inline constexpr const char* kStreamOpKinds[] = {"COPY",  "FILL",       "FILL_I64",
+                                                 "GRAPH", "WAIT_INPUT", "RECORD"};
+/// StreamOp's fields, in the order the named tuple holds them.
+inline constexpr const char* kStreamOpFields[] = {"kind",   "dst",   "src",    "dpitch",
+                                                  "spitch", "width", "height", "value"};
+inline constexpr size_t kStreamOpKindCount = sizeof(kStreamOpKinds) / sizeof(kStreamOpKinds[0]);
+inline constexpr size_t kStreamOpFieldCount = sizeof(kStreamOpFields) / sizeof(kStreamOpFields[0]);
+
 /// Throws ValueError for an op no device call would accept (a null pointer, a pitch
 /// narrower than its rows, even for one row, as cudaMemcpy2D has it; a fill value that is
-/// not a byte).
+/// not a byte), or one that sets a field its kind does not read.
 void check_op(const StreamOp& op);
 
 /// Issues `ops` in order on `stream`. WaitInput waits on `input_event` (nothing when it

@@ -5,15 +5,16 @@
 #include "core/compile_queue.h"
 #include "core/error.h"
 #include "python/bindings.h"
+#include "python/entry_points.h"
 
 namespace py = pybind11;
 
 namespace pydflash::python {
 namespace {
 
-void set_error_from_module(const char* module, const char* name, const char* what) {
+void set_error_from_module(const EntryPoint& error, const char* what) {
   try {
-    py::object type = py::module_::import(module).attr(name);
+    py::object type = py::module_::import(error.module).attr(error.name);
     PyErr_SetString(type.ptr(), what);
   } catch (py::error_already_set& e) {
     e.restore();  // the import failed: report that instead
@@ -30,17 +31,17 @@ void set_python_error(std::exception_ptr p) {
   } catch (const TypeError& e) {
     PyErr_SetString(PyExc_TypeError, e.what());
   } catch (const InputError& e) {
-    set_error_from_module("pydflash.errors", "InputFailedError", e.what());
+    set_error_from_module(entry::kInputFailedError, e.what());
   } catch (const StateError& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
   } catch (const CompileQueueTimeout& e) {
-    set_error_from_module("pydflash.errors", "CompileQueueTimeout", e.what());
+    set_error_from_module(entry::kCompileQueueTimeout, e.what());
   } catch (const TimeoutError& e) {
     PyErr_SetString(PyExc_TimeoutError, e.what());
   } catch (const CudaError& e) {
-    set_error_from_module("pydflash.errors", "CudaError", e.what());
+    set_error_from_module(entry::kCudaError, e.what());
   } catch (const InternalError& e) {
-    set_error_from_module("pydflash.errors", "InternalError", e.what());
+    set_error_from_module(entry::kInternalError, e.what());
   } catch (py::error_already_set& e) {
     e.restore();
   } catch (const std::exception& e) {

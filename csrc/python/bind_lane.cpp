@@ -26,63 +26,64 @@ struct PyLane {
   std::shared_ptr<Lane> lane;
 };
 
-// A stream program from Python: a sequence of tuples (kind, field, ...), each field an int,
-// in StreamOp's order after the kind: Copy (dst, dpitch, src, spitch, width, height),
-// Fill (dst, dpitch, value, width, height), FillI64 (dst, count, value), Graph (exec),
-// WaitInput (), Record (event). Read with the C API: it runs once per microbatch.
+// _C.StreamOp, the named tuple a stream op is in Python; set once by init_lane.
+PyObject* stream_op_type = nullptr;
+
+// A stream program from Python: a sequence of _C.StreamOp, whose fields are StreamOp's
+// in kStreamOpFields order. Read with the C API: it runs once per microbatch.
 std::vector<StreamOp> stream_ops(py::handle ops) {
-  using Kind = StreamOp::Kind;
   py::object seq = py::reinterpret_steal<py::object>(
-      PySequence_Fast(ops.ptr(), "expected the stream ops as a sequence of tuples"));
+      PySequence_Fast(ops.ptr(), "expected the stream ops as a sequence of _C.StreamOp"));
   if (!seq) throw py::error_already_set();
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
   PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
   std::vector<StreamOp> program(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* item = items[i];
-    PYDFLASH_CHECK_TYPE(PyTuple_Check(item) && PyTuple_GET_SIZE(item) >= 1,
-                        "expected each stream op as a tuple (kind, ...), got ",
+    PYDFLASH_CHECK_TYPE(Py_IS_TYPE(item, reinterpret_cast<PyTypeObject*>(stream_op_type)),
+                        "expected each stream op as a pydflash._C.StreamOp, got ",
                         Py_TYPE(item)->tp_name);
-    const Py_ssize_t size = PyTuple_GET_SIZE(item);
-    uint64_t f[7] = {};
-    for (Py_ssize_t j = 0; j < size && j < 7; ++j) {
-      PyObject* v = PyTuple_GET_ITEM(item, j);
-      PYDFLASH_CHECK_TYPE(PyLong_Check(v), "expected int fields in stream op ", i, ", got ",
-                          Py_TYPE(v)->tp_name);
+    uint64_t f[kStreamOpFieldCount] = {};
+    for (size_t j = 0; j < kStreamOpFieldCount; ++j) {
+      PyObject* v = PyTuple_GET_ITEM(item, static_cast<Py_ssize_t>(j));
+      PYDFLASH_CHECK_TYPE(PyLong_Check(v), "expected stream op ", i, "'s ", kStreamOpFields[j],
+                          " to be an int, got ", Py_TYPE(v)->tp_name);
       // Addresses are unsigned; a fill's value and an int64 fill may be negative.
       f[j] = static_cast<uint64_t>(PyLong_AsUnsignedLongLongMask(v));
     }
+    PYDFLASH_CHECK_VALUE(f[0] < kStreamOpKindCount, "expected a stream op kind from 0 to ",
+                         kStreamOpKindCount - 1, ", got ", static_cast<int64_t>(f[0]));
     StreamOp& op = program[static_cast<size_t>(i)];
-    op.kind = static_cast<Kind>(static_cast<int>(f[0]));
-    static constexpr Py_ssize_t kFields[] = {7, 6, 4, 2, 1, 2};
-    PYDFLASH_CHECK_VALUE(f[0] < 6, "expected a stream op kind from 0 to 5, got ",
-                         static_cast<int64_t>(f[0]));
-    PYDFLASH_CHECK_VALUE(size == kFields[f[0]], "expected stream op ", i, " of kind ",
-                         static_cast<int>(f[0]), " to have ", kFields[f[0]], " fields, got ", size);
-    switch (op.kind) {
-      case Kind::Copy:
-        op.dst = f[1], op.dpitch = f[2], op.src = f[3], op.spitch = f[4], op.width = f[5],
-        op.height = f[6];
-        break;
-      case Kind::Fill:
-        op.dst = f[1], op.dpitch = f[2], op.value = static_cast<int64_t>(f[3]), op.width = f[4],
-        op.height = f[5];
-        break;
-      case Kind::FillI64:
-        op.dst = f[1], op.width = f[2], op.value = static_cast<int64_t>(f[3]);
-        break;
-      case Kind::Graph:
-        op.src = f[1];
-        break;
-      case Kind::WaitInput:
-        break;
-      case Kind::Record:
-        op.dst = f[1];
-        break;
-    }
+    op.kind = static_cast<StreamOp::Kind>(f[0]);
+    op.dst = f[1], op.src = f[2], op.dpitch = f[3], op.spitch = f[4], op.width = f[5],
+    op.height = f[6], op.value = static_cast<int64_t>(f[7]);
     check_op(op);
   }
   return program;
+}
+
+// _C.StreamOpKind (an IntEnum) and _C.StreamOp (a named tuple, every field but the kind
+// 0 by default), both from the tables in core/stream_program.h.
+void add_stream_op_types(py::module_& m) {
+  py::list kinds;
+  for (size_t i = 0; i < kStreamOpKindCount; ++i)
+    kinds.append(py::make_tuple(kStreamOpKinds[i], i));
+  py::object kind_type = py::module_::import("enum").attr("IntEnum")(
+      "StreamOpKind", kinds, py::arg("module") = "pydflash._C");
+  kind_type.attr("__doc__") = "The kinds of stream op (csrc/core/stream_program.h).";
+  m.attr("StreamOpKind") = kind_type;
+  py::tuple fields(kStreamOpFieldCount);
+  for (size_t i = 0; i < kStreamOpFieldCount; ++i) fields[i] = py::str(kStreamOpFields[i]);
+  py::list defaults;
+  for (size_t i = 1; i < kStreamOpFieldCount; ++i) defaults.append(0);
+  py::object op_type = py::module_::import("collections")
+                           .attr("namedtuple")("StreamOp", fields, py::arg("defaults") = defaults,
+                                               py::arg("module") = "pydflash._C");
+  op_type.attr("__doc__") =
+      "One op of a stream program (Lane.submit_program): a StreamOpKind and the fields it "
+      "reads, the others 0 (csrc/core/stream_program.h says which).";
+  m.attr("StreamOp") = op_type;
+  stream_op_type = op_type.release().ptr();  // kept for the module's life
 }
 
 // Queues fn(*args, **kwargs) on a lane; args[0] is fn. Returns a new reference.
@@ -269,6 +270,7 @@ void init_lane(py::module_& m) {
   add_future_type(m.ptr());
   add_submitter_type(m.ptr());
 
+  add_stream_op_types(m);
   m.def("stdlib_waiters_native", &stdlib_waiters_native);
   m.attr("MAX_SPIN_US") = kMaxSpinUs;
   m.def("torch_state_reader", [] {

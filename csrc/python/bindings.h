@@ -5,6 +5,8 @@
 
 #include <exception>
 
+#include "python/entry_points.h"
+
 namespace pydflash::python {
 
 void init_errors(pybind11::module_& m);
@@ -20,9 +22,10 @@ void init_device(pybind11::module_& m);
 /// GIL go), a second thread can block on the guard while holding the GIL: deadlock.
 /// Python objects needed later are cached in plain globals set under the GIL instead,
 /// through this: `slot` gets module.name on first use. A lost race only imports twice.
-inline PyObject* cached_attr(PyObject*& slot, const char* module, const char* name) {
+inline PyObject* cached_attr(PyObject*& slot, const EntryPoint& entry) {
   if (slot == nullptr)
-    slot = pybind11::object(pybind11::module_::import(module).attr(name)).release().ptr();
+    slot =
+        pybind11::object(pybind11::module_::import(entry.module).attr(entry.name)).release().ptr();
   return slot;
 }
 void init_lane(pybind11::module_& m);

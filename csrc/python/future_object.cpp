@@ -8,6 +8,7 @@
 #include <string>
 
 #include "python/bindings.h"
+#include "python/entry_points.h"
 #include "python/future_lock.h"
 #include "python/gil.h"
 #include "python/lane_runtime.h"
@@ -74,11 +75,11 @@ PyObject* no_new(PyTypeObject*, PyObject*, PyObject*) {
 bool orphaned_by_fork(FutureObject* f) {
   if (!f->state().made_before_fork()) return false;
   try {
-    const std::string message = "this future's task was queued on pydflash " +
-                                py::handle(f->lane).attr("label").cast<std::string>() +
-                                " before a fork and cannot finish in the forked child (pid " +
-                                std::to_string(getpid()) +
-                                "); create a new Dispatcher in the child";
+    const std::string message =
+        "this future's task was queued on pydflash " +
+        py::handle(f->lane).attr(entry::kLaneLabel.attr()).cast<std::string>() +
+        " before a fork and cannot finish in the forked child (pid " + std::to_string(getpid()) +
+        "); create a new Dispatcher in the child";
     PyErr_SetString(PyExc_RuntimeError, message.c_str());
   } catch (...) {
     set_python_error(std::current_exception());
@@ -116,7 +117,8 @@ PyObject* result(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObje
     Py_INCREF(r);
     return r;
   }
-  return call_python(self, "_raise_failure", nullptr);  // cancelled or failed: rare
+  // Cancelled or failed: rare.
+  return call_python(self, entry::kFutureRaiseFailure.attr(), nullptr);
 }
 
 PyObject* wait(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
@@ -338,7 +340,7 @@ void add_future_type(PyObject* module) {
   }
   Py_DECREF(base);
   add_future_lock_type(module);
-  str_invoke = PyUnicode_InternFromString("_invoke");
+  str_invoke = PyUnicode_InternFromString(entry::kFutureInvoke.attr());
   init_stdlib_waiters();
 
   FutureBaseType.tp_name = "pydflash._C.FutureBase";

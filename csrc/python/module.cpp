@@ -1,7 +1,10 @@
 #include <pybind11/pybind11.h>
 
+#include <iterator>
+
 #include "core/device_api.h"
 #include "python/bindings.h"
+#include "python/entry_points.h"
 #include "python/gil.h"
 
 namespace py = pybind11;
@@ -16,6 +19,13 @@ PYBIND11_MODULE(_C, m) {
   info["compiler"] = __VERSION__;
   info["cplusplus"] = __cplusplus;
   m.attr("BUILD") = info;
+  // Note [Python entry points]: (module, name) of each, for the test that resolves them.
+  py::tuple entry_points(std::size(pydflash::python::entry::kAll));
+  for (size_t i = 0; i < entry_points.size(); ++i) {
+    const auto& entry = pydflash::python::entry::kAll[i];
+    entry_points[i] = py::make_tuple(entry.module, entry.name);
+  }
+  m.attr("PYTHON_ENTRY_POINTS") = entry_points;
   // Note [Never retaking the GIL at exit]: the thread that will finalize.
   pydflash::python::remember_main_thread(
       py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>());

@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/stream_program.h"
 #include "python/bindings.h"
+#include "python/entry_points.h"
 #include "python/future_object.h"
 #include "python/torch_abi.h"
 
@@ -107,8 +108,7 @@ class PythonTask final : public TaskBody {
   PyObject* call() {
     torch_.apply_grad_mode();
     if (torch_.special) {
-      PyObject* call_in_state =
-          cached_attr(call_in_state_fn, "pydflash.lanes._torch_state", "call_in_state");
+      PyObject* call_in_state = cached_attr(call_in_state_fn, entry::kCallInTorchState);
       PyObject* kwargs = kwargs_.is_none() ? PyDict_New() : kwargs_.inc_ref().ptr();
       PyObject* r = PyObject_CallFunctionObjArgs(call_in_state, torch_.special.ptr(), fn_.ptr(),
                                                  args_.ptr(), kwargs, nullptr);

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "python/bindings.h"
+#include "python/entry_points.h"
 
 namespace py = pybind11;
 
@@ -187,7 +188,7 @@ TorchSnapshot TorchSnapshot::capture() {
   snap.captured = true;
   snap.grad = api->grad_enabled();
   if (api->inference_mode() || api->any_autocast()) {
-    PyObject* capture = cached_attr(capture_fn, "pydflash.lanes._torch_state", "capture");
+    PyObject* capture = cached_attr(capture_fn, entry::kCaptureTorchState);
     PyObject* state = PyObject_CallNoArgs(capture);
     if (state == nullptr) throw py::error_already_set();
     snap.special = py::reinterpret_steal<py::object>(state);
@@ -240,8 +241,7 @@ void LaneStreamSelection::select(const Lane& lane) {
   if (!torch_ready_) {
     if (TorchApi::get() == nullptr) return;
     // Step 1; a CPU lane gets None back, after the thread hooks have run.
-    PyObject* init_thread =
-        cached_attr(init_thread_fn, "pydflash.lanes._lane_runtime", "init_thread");
+    PyObject* init_thread = cached_attr(init_thread_fn, entry::kInitThread);
     PyObject* r = PyObject_CallFunction(init_thread, "iK", lane.device(),
                                         (unsigned long long)(uintptr_t)lane.stream());
     if (r == nullptr) throw py::error_already_set();

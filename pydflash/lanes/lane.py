@@ -129,16 +129,17 @@ class Lane(concurrent.futures.Executor):
         return self._native.submit_graph(handle, keepalive, self)
 
     def submit_program(
-        self, ops: Sequence[tuple[int, ...]], keepalive: Any = None, after: Future | None = None
+        self, ops: Sequence[Any], keepalive: Any = None, after: Future | None = None
     ) -> Future:
-        """Issues a stream program (copies, fills, graph launches, as
-        pydflash/pipeline/native_microbatch.py builds them) on this GPU lane's stream from the
-        native worker, without the GIL. With `after`, it first waits for that future and fails
-        with InputFailedError, issuing nothing, when that one was cancelled or failed. The
-        future completes once the ops are issued and carries an event after them, as a
-        Python task's does; `keepalive` lives until the GPU has passed them. With no
-        keepalive the caller keeps what the ops read until then, and the worker never
-        takes the GIL for the program. Note [Program tasks] in csrc/python/tasks.cpp."""
+        """Issues a stream program, `ops` as `_C.StreamOp`s (copies, fills, graph launches,
+        as pydflash/pipeline/native_microbatch.py builds them), on this GPU lane's stream
+        from the native worker, without the GIL. With `after`, it first waits for that
+        future and fails with InputFailedError, issuing nothing, when that one was
+        cancelled or failed. The future completes once the ops are issued and carries an
+        event after them, as a Python task's does; `keepalive` lives until the GPU has
+        passed them. With no keepalive the caller keeps what the ops read until then, and
+        the worker never takes the GIL for the program. Note [Program tasks] in
+        csrc/python/tasks.cpp."""
         return self._native.submit_program(ops, keepalive, after, self)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:

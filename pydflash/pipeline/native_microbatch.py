@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .._native import C
 from .._tree import flatten
 from ..errors import GraphCaptureError
 from ..graphs.bucketed import NativeLaunch
@@ -43,8 +44,7 @@ from ..graphs.buckets import CUT_BATCH, CUT_BOTH, batch_shape, signature
 from ..lanes._future import Future
 from ..lanes.lane import Lane
 
-# Op kinds, as csrc/core/stream_program.h numbers them.
-COPY, FILL, FILL_I64, GRAPH, WAIT_INPUT, RECORD = range(6)
+Op, Kind = C.StreamOp, C.StreamOpKind  # csrc/core/stream_program.h lists both
 
 
 def copy_padded_ops(ops: list, dst: torch.Tensor, src: int, src_pitch: int, b: int, t: int) -> None:
@@ -56,15 +56,18 @@ def copy_padded_ops(ops: list, dst: torch.Tensor, src: int, src_pitch: int, b: i
         rows, length = dst.shape[0], dst.shape[1]
         inner = math.prod(dst.shape[2:]) * size
         row, width = length * inner, t * inner
-        ops.append((COPY, base, row, src, src_pitch, width, b))
+        ops.append(
+            Op(Kind.COPY, dst=base, dpitch=row, src=src, spitch=src_pitch, width=width, height=b)
+        )
         if t < length:
-            ops.append((FILL, base + width, row, 0, row - width, b))
+            ops.append(Op(Kind.FILL, dst=base + width, dpitch=row, width=row - width, height=b))
     else:
         rows, row = dst.shape[0], size
-        ops.append((COPY, base, b * size, src, b * size, b * size, 1))
+        n = b * size
+        ops.append(Op(Kind.COPY, dst=base, dpitch=n, src=src, spitch=n, width=n, height=1))
     if b < rows:
         rest = (rows - b) * row
-        ops.append((FILL, base + b * row, rest, 0, rest, 1))
+        ops.append(Op(Kind.FILL, dst=base + b * row, dpitch=rest, width=rest, height=1))
 
 
 def row_pitch(x: torch.Tensor) -> int:
@@ -167,22 +170,30 @@ class NativeMicrobatches:
         if d_launch is None:
             return None
 
-        ops: list[tuple[int, ...]] = []
+        ops: list[Op] = []
         _copy_in(ops, t_launch.inputs, leaves, b, t)
-        ops.append((GRAPH, t_launch.exec_handle))
-        ops.append((WAIT_INPUT,))
+        ops.append(Op(Kind.GRAPH, src=t_launch.exec_handle))
+        ops.append(Op(Kind.WAIT_INPUT))
         _copy_in(ops, d_launch.inputs, t_launch.outputs, b, t)
         (static_loss,) = d_launch.outputs
         loss = torch.empty_like(static_loss)
         loss.record_stream(d_lane.stream)
         event = self._event(d_lane, k)
-        d_ops: list[tuple[int, ...]] = [(WAIT_INPUT,)]
+        d_ops = [Op(Kind.WAIT_INPUT)]
         _fill_lengths(d_ops, d_launch, b, t)
         nbytes = loss.nbytes
         d_ops += [
-            (GRAPH, d_launch.exec_handle),
-            (COPY, loss.data_ptr(), nbytes, static_loss.data_ptr(), nbytes, nbytes, 1),
-            (RECORD, event.cuda_event),
+            Op(Kind.GRAPH, src=d_launch.exec_handle),
+            Op(
+                Kind.COPY,
+                dst=loss.data_ptr(),
+                dpitch=nbytes,
+                src=static_loss.data_ptr(),
+                spitch=nbytes,
+                width=nbytes,
+                height=1,
+            ),
+            Op(Kind.RECORD, dst=event.cuda_event),
         ]
         target = t_lane.submit_program(ops, after=previous)
         try:
@@ -242,6 +253,7 @@ def _fill_lengths(ops: list, launch: NativeLaunch, b: int, t: int) -> None:
     lengths = launch.lengths
     if lengths is None:
         return
-    ops.append((FILL_I64, lengths.data_ptr(), b, t))
+    ops.append(Op(Kind.FILL_I64, dst=lengths.data_ptr(), width=b, value=t))
     if b < lengths.shape[0]:
-        ops.append((FILL_I64, lengths.data_ptr() + 8 * b, lengths.shape[0] - b, 0))
+        pad = lengths.shape[0] - b
+        ops.append(Op(Kind.FILL_I64, dst=lengths.data_ptr() + 8 * b, width=pad, value=0))

@@ -95,3 +95,22 @@ TEST_CASE("stream program: ops no device call would take are refused") {
   unknown.kind = static_cast<Kind>(9);
   CHECK(refused(unknown));
 }
+
+TEST_CASE("stream program: a field the op's kind does not read must stay 0") {
+  char buffer[16];
+  StreamOp graph;
+  graph.kind = Kind::Graph;
+  graph.src = address(buffer);
+  CHECK(!refused(graph));
+  graph.dst = address(buffer);  // meant for a Record, say
+  CHECK(refused(graph));
+  StreamOp padded = fill(buffer, 8, 0, 8, 1);
+  CHECK(!refused(padded));
+  padded.src = address(buffer);  // a fill reads no source
+  CHECK(refused(padded));
+  StreamOp wait;
+  wait.kind = Kind::WaitInput;
+  CHECK(!refused(wait));
+  wait.height = 1;
+  CHECK(refused(wait));
+}
