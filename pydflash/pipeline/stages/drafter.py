@@ -25,7 +25,7 @@ Gradients = list[torch.Tensor | None]
 class DrafterStage:
     """How the drafter trains: one replica per drafter lane. `Pipeline` runs each method
     as a task on replica r's lane, with that lane's device and stream current, and a lane
-    runs its tasks in order (Note [Pipeline order] in pipeline.py). Per step:
+    runs its tasks in order (Note [Pipeline order] in pipeline/scheduler.py). Per step:
 
     - `train` for each of the step's microbatches, on its replica's lane;
     - with several replicas, `reduce` on lane 0, which sums their gradients;
