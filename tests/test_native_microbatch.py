@@ -209,7 +209,7 @@ def train_pipeline(batches: list[dict], native: bool, accumulate: int = 4):
     with pydflash.Dispatcher(["cuda:0"] * 2) as d:
         pipe, stage, drafter = graph_pipeline(d.lanes, accumulate, clip=0.5)
         if not native:
-            pipe._native = None
+            pipe._submitter.native = None  # every microbatch in Python
         losses = [x for step in pipe.run(batches) for x in step.losses()]
         torch.cuda.synchronize()
         return losses, drafter, pipe.stats(), stage.stats()

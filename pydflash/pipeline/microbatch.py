@@ -54,22 +54,22 @@ class MicrobatchSubmitter:
     ) -> None:
         self._tracker = tracker
         self._drafter = drafter
-        self._native = native
+        self.native = native  # None: every microbatch takes the Python path
         self.threads = torch.get_num_threads()
 
     @property
     def native_submitted(self) -> int:
-        return 0 if self._native is None else self._native.submitted
+        return 0 if self.native is None else self.native.submitted
 
     def start_run(self, threads: int, target_lanes: Sequence[Lane]) -> None:
         """A run starts; its lane tasks use `threads` intra-op threads, the driver's."""
         self.threads = threads
-        if self._native is not None:
-            self._native.start_run(target_lanes)
+        if self.native is not None:
+            self.native.start_run(target_lanes)
 
     def submit(self, mb: Microbatch, batch: Any) -> Future:
         """The drafter future of microbatch `mb`, whose result is its loss."""
-        if self._native is not None:
+        if self.native is not None:
             drafter = self._submit_native(mb, batch)
             if drafter is not None:
                 return drafter
@@ -97,7 +97,7 @@ class MicrobatchSubmitter:
         """Microbatch k as two stream programs, or None when it does not qualify (Note
         [Native microbatch]); it then holds no hidden states of its own."""
         try:
-            launched = self._native.submit(
+            launched = self.native.submit(
                 mb.k,
                 mb.target_index,
                 mb.target_lane,
