@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .lanes.lane import Lane
+from typing import Any
 
 
 def counted(value: Any, name: str, *, minimum: int = 1) -> int:
@@ -17,26 +14,6 @@ def counted(value: Any, name: str, *, minimum: int = 1) -> int:
     if value < minimum:
         raise ValueError(f"expected {name} >= {minimum}, got {value}")
     return value
-
-
-def lanes_of(lanes: Any, name: str) -> list[Lane]:
-    """`lanes` (one pydflash Lane or an iterable of them, at least one) as a list."""
-    from .lanes.lane import Lane
-
-    if isinstance(lanes, Lane):
-        lanes = [lanes]
-    try:
-        lanes = list(lanes)
-    except TypeError:
-        raise TypeError(
-            f"expected {name} to be pydflash lanes, got {type(lanes).__name__}"
-        ) from None
-    if not lanes:
-        raise ValueError(f"expected at least one lane in {name}, got none")
-    for lane in lanes:
-        if not isinstance(lane, Lane):
-            raise TypeError(f"expected {name} to be pydflash lanes, got a {type(lane).__name__}")
-    return lanes
 
 
 def per_lane(

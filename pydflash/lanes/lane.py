@@ -209,3 +209,21 @@ class Lane(concurrent.futures.Executor):
 
     def __repr__(self) -> str:
         return f"<pydflash.Lane {self.index} on {self.device}>"
+
+
+def lanes_of(lanes: Any, name: str) -> list[Lane]:
+    """`lanes` (one pydflash Lane or an iterable of them, at least one) as a list."""
+    if isinstance(lanes, Lane):
+        lanes = [lanes]
+    try:
+        lanes = list(lanes)
+    except TypeError:
+        raise TypeError(
+            f"expected {name} to be pydflash lanes, got {type(lanes).__name__}"
+        ) from None
+    if not lanes:
+        raise ValueError(f"expected at least one lane in {name}, got none")
+    for lane in lanes:
+        if not isinstance(lane, Lane):
+            raise TypeError(f"expected {name} to be pydflash lanes, got a {type(lane).__name__}")
+    return lanes

@@ -40,12 +40,12 @@ from typing import Any, NoReturn
 
 import torch
 
-from .._checks import counted, lanes_of, per_lane
+from .._checks import counted, per_lane
 from ..errors import PipelineError
 from ..lanes._future import Future
 from ..lanes._torch_state import match_intra_op_threads
 from ..lanes.handoff import peer_access
-from ..lanes.lane import Lane
+from ..lanes.lane import Lane, lanes_of
 from ._failures import input_of, stage_error
 from ._flight import Flight, StepTasks
 from ._tracker import Task, Tracker
