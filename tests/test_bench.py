@@ -695,7 +695,9 @@ def test_kernels_are_named_and_fallbacks_forced(monkeypatch):
     for _, _, names in kernels.PACKAGES.values():
         for name in names:  # restored after the test: forcing rebinds module globals
             monkeypatch.setattr(module, name, getattr(module, name))
-    model = HFTargetConfig.load("qwen3-next-tiny").build(torch.float32)
+    # Layer 3, the tiny model's full-attention layer, is a capture layer: the forward stops
+    # after the last capture layer, and these tests need it to reach an attention call.
+    model = HFTargetConfig.load("qwen3-next-tiny", layers=(1, 3)).build(torch.float32)
     forward = target_forward(model)
     batch = {"input_ids": torch.randint(0, 64, (1, 8))}
     expected = forward(batch)["features"]
@@ -809,7 +811,9 @@ def test_probes_record_leaf_modules_and_kernels_then_leave():
     from bench import fidelity, kernels
     from examples.dflash.hf import HFTargetConfig
 
-    model = HFTargetConfig.load("qwen3-next-tiny").build(torch.float32)
+    # Layer 3, the tiny model's full-attention layer, is a capture layer: the forward stops
+    # after the last capture layer, and these tests need it to reach an attention call.
+    model = HFTargetConfig.load("qwen3-next-tiny", layers=(1, 3)).build(torch.float32)
     module = kernels._modeling()
     before = {name: getattr(module, name) for name in fidelity.Probes.FUNCTIONS}
     sdpa = torch.nn.functional.scaled_dot_product_attention
