@@ -147,7 +147,7 @@ class CapturedGraph(GraphWrapper):
         self.static_inputs = tuple(static_inputs)
         self.static_outputs = static_outputs
         self._specs = tuple(TensorSpec.of(t) for t in self.static_inputs)
-        self._native = native_launch_supported(graph)
+        self._launches_natively = native_launch_supported(graph)
         # Keeps one run's copy-in, launch and clone adjacent in the lane queue.
         self._order = threading.Lock()
         if lane.device_index is not None:
@@ -164,7 +164,7 @@ class CapturedGraph(GraphWrapper):
     @property
     def native(self) -> bool:
         """True when runs launch without the GIL; False when they fall back to replay()."""
-        return self._native
+        return self._launches_natively
 
     def run(self, *inputs: Any, clone: bool = False) -> Future:
         """Copies `inputs` into the static inputs on the lane stream, once the work
@@ -176,7 +176,7 @@ class CapturedGraph(GraphWrapper):
         ready = _inputs_ready(inputs)
         lane = self._lane
         with self._order:
-            if not self._native:
+            if not self._launches_natively:
                 return lane.submit(
                     _replay,
                     self.graph,
@@ -206,7 +206,7 @@ class CapturedGraph(GraphWrapper):
             spec.check(position, tensor)
 
     def __repr__(self) -> str:
-        mode = "native" if self._native else "replay"
+        mode = "native" if self._launches_natively else "replay"
         return f"<pydflash.graphs.CapturedGraph on {self._lane!r} ({mode})>"
 
 
