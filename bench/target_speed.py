@@ -6,22 +6,28 @@
 - bf16 keeping only the capture layers' outputs (Note [Capture layers only]);
 - FP8 linear layers: ours (examples/dflash/fp8.py: a fused row-wise quantization
   kernel and torch._scaled_mm), and torchao's float8 inference when it imports;
-- fused elementwise work (examples/dflash/fused.py): each of FLA's norms, swiglu and
-  causal conv alone, all three, with FP8, and each decoder layer torch.compile'd.
+- fused elementwise work (examples/dflash/fused.py): FLA's norms, swiglu and causal
+  conv together, in bf16 and with FP8; each alone with --singles, and each decoder
+  layer torch.compile'd with --compile (Inductor takes minutes);
+- the noise floor: bf16 with each embedding value moved one bf16 ulp up or down.
 
 Per variant: GPU time of a forward by CUDA events (median of --reps after warm-up; the
 first call's time, which includes Triton's autotuning or Inductor's compile, is
-reported apart), the speed against both bf16 rows of this run, the features' relative
-error against the bf16 features on the same input, and peak memory. Then a fidelity
-row: the DFlash drafter's losses over the same few steps on the bf16 target's features
-and on the FP8 target's.
+reported apart), the speed against both bf16 rows of this run, the relative error of
+each capture layer's output against bf16 on the same input, and peak memory.
 
-    python -m bench.target_speed [--out DIR] [--only fp8,fp8+fla] [--no-compile]
+Fidelity (Note [Random weights amplify]): besides those per-layer errors, the error of
+each FP8 GEMM on the real activations of the first decoder layers, and the DFlash
+drafter's losses over the same steps, from the same initial drafter and data, trained
+on the bf16 target's features, on the FP8 target's and on the noise floor's.
 
-Writes target_speed.json and target_speed.txt to --out (default: $OUT, else
-out/target_speed) and prints the table last. Needs a GPU with FP8 (compute capability
-9.0+), about 100 GB of GPU memory and transformers; FLA for the fused rows. It stops
-starting new variants after --budget seconds (default 150) and says which it skipped.
+    python -m bench.target_speed [--out DIR] [--only fp8,fp8+fla] [--singles] [--compile]
+
+Writes target_speed.json (after every row: a run cut short keeps its rows) and
+target_speed.txt to --out (default: $OUT, else out/target_speed) and prints the table
+last. Needs a GPU with FP8 (compute capability 9.0+), about 100 GB of GPU memory and
+transformers; FLA for the fused rows. It stops starting new variants after --budget
+seconds (default 120) and says which it skipped; the default run takes about 3 minutes.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -56,24 +63,41 @@ class Variant:
     fp8_backend: str = "triton"
     fused: tuple[str, ...] = ()
     all_hidden: bool = False  # the old forward: every layer's output kept
+    perturbed: bool = False  # the noise floor: embeddings moved one ulp (perturb_embeddings)
     needs: str = ""  # "fla", "torchao" or "" (what must import)
+    group: str = ""  # "": the default run's; "singles" / "compile": behind those flags
 
 
+FLA = ("norms", "swiglu", "conv")
 VARIANTS = (
     Variant("bf16 all hidden states", all_hidden=True),
     Variant("bf16"),
+    Variant("bf16 1-ulp input", perturbed=True),
     Variant("fp8", fp8=True),
     Variant("fp8 torchao", fp8=True, fp8_backend="torchao", needs="torchao"),
-    Variant("bf16+norms", fused=("norms",), needs="fla"),
-    Variant("bf16+swiglu", fused=("swiglu",), needs="fla"),
-    Variant("bf16+conv", fused=("conv",), needs="fla"),
-    Variant("bf16+fla", fused=("norms", "swiglu", "conv"), needs="fla"),
-    Variant("fp8+fla", fp8=True, fused=("norms", "swiglu", "conv"), needs="fla"),
-    # Last: Inductor's compile takes a minute or two (the budget may skip them).
-    Variant("fp8+fla+compile", fp8=True, fused=("norms", "swiglu", "conv", "compile")),
-    Variant("bf16+compile", fused=("compile",)),
+    Variant("bf16+fla", fused=FLA, needs="fla"),
+    Variant("fp8+fla", fp8=True, fused=FLA, needs="fla"),
+    Variant("bf16+norms", fused=("norms",), needs="fla", group="singles"),
+    Variant("bf16+swiglu", fused=("swiglu",), needs="fla", group="singles"),
+    Variant("bf16+conv", fused=("conv",), needs="fla", group="singles"),
+    # Last: Inductor's compile takes a minute or two each.
+    Variant("fp8+fla+compile", fp8=True, fused=(*FLA, "compile"), group="compile"),
+    Variant("bf16+compile", fused=("compile",), group="compile"),
 )
 BASELINE, CAPTURE_ONLY = VARIANTS[0].name, VARIANTS[1].name
+# The fidelity steps' targets: the reference, FP8, and the noise floor.
+FIDELITY = (VARIANTS[1], VARIANTS[3], VARIANTS[2])
+GEMM_LAYERS = 4  # the first decoder layers whose linear layers' FP8 error is measured
+
+# Note [Random weights amplify]: the 23 B target here has random weights, and the last
+# capture layer is 61 layers deep. Any perturbation of its input, FP8's rounding or a
+# different but equivalent bf16 kernel alike, grows layer after layer: the concatenated
+# features' error says more about the random model than about FP8. So fidelity is shown
+# three ways: the error of each capture layer apart, against the same errors of the noise
+# floor (bf16 with one-ulp-perturbed embeddings, and bf16+fla: equivalent kernels, no
+# FP8), where amplification alone shows; the FP8 GEMMs' own error on real activations of
+# the first layers; and the drafter's losses trained on each target's features. A trained
+# checkpoint would be the real test; none is available offline.
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -84,12 +108,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=BATCH)
     p.add_argument("--reps", type=int, default=3, help="timed forwards per variant")
     p.add_argument("--warmup", type=int, default=1, help="untimed forwards after the first")
-    p.add_argument("--only", help="comma-separated variant names (default: all)")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    p.add_argument("--only", help="comma-separated variant names (default: the default run's)")
+    p.add_argument("--singles", action="store_true", help="each FLA fusion alone too")
+    p.add_argument("--compile", action="store_true", help="the torch.compile rows too (minutes)")
     p.add_argument(
-        "--budget", type=float, default=150.0, help="seconds after which no variant starts"
+        "--budget", type=float, default=120.0, help="seconds after which no variant starts"
     )
-    p.add_argument("--fidelity-steps", type=int, default=3, help="0: no fidelity row")
+    p.add_argument("--fidelity-steps", type=int, default=6, help="0: no drafter-loss fidelity")
+    p.add_argument("--fidelity-lr", type=float, default=3e-4, help="the fidelity drafter's lr")
     p.add_argument("--device", default="cuda:0", help="cpu: a smoke run (FP8 emulated)")
     p.add_argument(
         "--drafter",
@@ -147,6 +173,13 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+def layer_errors(got: torch.Tensor, want: torch.Tensor, layers: int) -> list[float]:
+    """The relative error of each capture layer's output: the features are the layers'
+    outputs concatenated on the last dimension."""
+    pairs = zip(got.chunk(layers, dim=-1), want.chunk(layers, dim=-1), strict=True)
+    return [relative_error(g, w) for g, w in pairs]
+
+
 def gpu_ms(fn: Callable[[], Any]) -> tuple[float, Any]:
     """(milliseconds of GPU time between events around fn(), its result)."""
     if not on_gpu():  # a smoke run: wall time
@@ -161,12 +194,28 @@ def gpu_ms(fn: Callable[[], Any]) -> tuple[float, Any]:
     return start.elapsed_time(end), out
 
 
+def perturb_embeddings(target: Any) -> None:
+    """The noise floor's input: each embedding value moved one bf16 ulp (its dtype's) up or
+    down, the direction drawn from a fixed seed; a perturbation far below FP8's."""
+
+    def one_ulp(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        generator = torch.Generator(out.device).manual_seed(7)
+        up = torch.rand(out.shape, generator=generator, device=out.device) < 0.5
+        inf = torch.full_like(out, float("inf"))
+        return torch.nextafter(out, torch.where(up, inf, -inf))
+
+    target.get_input_embeddings().register_forward_hook(one_ulp)
+
+
 def build(config: Any, variant: Variant) -> Any:
     """The target with the variant's switches, the same random weights every time."""
     torch.manual_seed(0)
     cfg = dataclasses.replace(config, fp8=variant.fp8, fp8_backend=variant.fp8_backend)
     dtype = torch.bfloat16 if on_gpu() else torch.float32  # as the example's loops
-    return cfg.build(dtype, str(DEVICE), fused=variant.fused)
+    target = cfg.build(dtype, str(DEVICE), fused=variant.fused)
+    if variant.perturbed:
+        perturb_embeddings(target)
+    return target
 
 
 def features_fn(target: Any, variant: Variant, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -178,6 +227,56 @@ def features_fn(target: Any, variant: Variant, ids: torch.Tensor) -> Callable[[]
         return torch.cat([out.hidden_states[i + 1] for i in target.layers], dim=-1)
 
     return all_hidden
+
+
+class _Enough(Exception):
+    """Raised after the layers gemm_errors measures: the rest of the forward is not needed."""
+
+
+def gemm_errors(target: Any, ids: torch.Tensor, layers: int = GEMM_LAYERS) -> list[dict]:
+    """Each linear layer of the first `layers` decoder layers of a bf16 target on the
+    activations it gets in a forward of `ids`: the relative error of FP8Linear's output
+    and of the bf16 output, each against the product in fp32 (fp32 inputs and weight)."""
+    from examples.dflash.fp8 import FP8Linear, fits
+
+    decoder = target.decoder_layers()
+    out: list[dict] = []
+
+    def compare(name: str, module: torch.nn.Module, args: Any, got: torch.Tensor) -> None:
+        x = args[0]
+        exact = torch.nn.functional.linear(
+            x.float(), module.weight.float(), None if module.bias is None else module.bias.float()
+        )
+        fp8 = FP8Linear(module)(x)
+        out.append(
+            {
+                "layer": name,
+                "shape": [x.numel() // x.shape[-1], module.in_features, module.out_features],
+                "fp8_rel_error": relative_error(fp8, exact),
+                "bf16_rel_error": relative_error(got, exact),
+                "fp8_vs_bf16": relative_error(fp8, got),
+            }
+        )
+        del exact, fp8
+
+    def stop(*_: Any) -> None:
+        raise _Enough
+
+    handles = [decoder[min(layers, len(decoder)) - 1].register_forward_hook(stop)]
+    for i, layer in enumerate(decoder[:layers]):
+        for name, module in layer.named_modules():
+            if fits(module):
+                hook = functools.partial(compare, f"{i}.{name}")
+                handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            target(ids)
+    except _Enough:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out
 
 
 def measure(config: Any, variant: Variant, ids: torch.Tensor, args, reference) -> dict:
@@ -213,15 +312,20 @@ def measure(config: Any, variant: Variant, ids: torch.Tensor, args, reference) -
     if reference.get("features") is None:
         reference["features"] = features.detach()
     row["features_rel_error"] = relative_error(features, reference["features"])
+    row["layer_rel_errors"] = layer_errors(features, reference["features"], len(target.layers))
     row["features_shape"] = list(features.shape)
-    del target, forward, features
+    del features
+    if variant.name == CAPTURE_ONLY and not variant.fp8:  # the FP8 GEMMs' own error
+        row["gemm_errors"] = gemm_errors(target, ids)
+    del target, forward
     free()
     return row
 
 
 def fidelity(config: Any, args: argparse.Namespace) -> dict:
-    """The drafter's losses over the same steps on a bf16 target's features and on the
-    FP8 target's: the same initial drafter, the same data, AdamW, a microbatch a step."""
+    """The drafter's losses over the same steps, from the same initial drafter and data
+    (AdamW, a microbatch a step), trained on the features of each of FIDELITY's targets,
+    and those features' per-layer errors against the first's."""
     from examples.dflash.data import MarkovTokens
     from examples.dflash.loops import drafter_loss
     from examples.dflash.models import DRAFTERS, BlockDrafter
@@ -235,12 +339,12 @@ def fidelity(config: Any, args: argparse.Namespace) -> dict:
     batches = [
         {k: t.to(DEVICE) for k, t in data.batch(i).items()} for i in range(args.fidelity_steps)
     ]
-    features: dict[str, list[torch.Tensor]] = {}
+    reference: list[torch.Tensor] = []
     initial = None
-    for name, fp8 in (("bf16", False), ("fp8", True)):
-        target = build(config, Variant(name, fp8=fp8))
-        with torch.no_grad():
-            features[name] = [target(b["input_ids"]) for b in batches]
+    losses: dict[str, list[float]] = {}
+    errors: dict[str, list[list[float]]] = {}
+    for variant in FIDELITY:
+        target = build(config, variant)
         if initial is None:  # built from the bf16 target: its embedding and head copied
             torch.manual_seed(1)
             with DEVICE:
@@ -248,45 +352,57 @@ def fidelity(config: Any, args: argparse.Namespace) -> dict:
             if on_gpu():  # as the example's drafter: frozen copies in the target's dtype
                 initial.embed.to(torch.bfloat16)
                 initial.lm_head.to(torch.bfloat16)
-        del target
-        free()
-    losses: dict[str, list[float]] = {}
-    for name in ("bf16", "fp8"):
         drafter = copy.deepcopy(initial)
         params = [p for p in drafter.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=on_gpu())
-        losses[name] = []
-        for batch, feats in zip(batches, features[name], strict=True):
-            loss = drafter_loss(drafter, {**batch, "features": feats})
+        optimizer = torch.optim.AdamW(params, lr=args.fidelity_lr, weight_decay=0.0, fused=on_gpu())
+        losses[variant.name], errors[variant.name] = [], []
+        for i, batch in enumerate(batches):
+            with torch.no_grad():
+                features = target(batch["input_ids"])
+            if len(reference) < len(batches):
+                reference.append(features)
+            errors[variant.name].append(layer_errors(features, reference[i], len(target.layers)))
+            loss = drafter_loss(drafter, {**batch, "features": features})
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            losses[name].append(loss.item())
-        del drafter, optimizer, params
+            losses[variant.name].append(loss.item())
+            del features, loss
+        del target, drafter, optimizer, params
         free()
-    feature_errors = [
-        relative_error(f, b) for f, b in zip(features["fp8"], features["bf16"], strict=True)
-    ]
-    del features, initial
+    del reference, initial
     free()
-    gap = [abs(a - b) / abs(a) for a, b in zip(losses["bf16"], losses["fp8"], strict=True)]
+    base = losses[FIDELITY[0].name]
+    last = {name: curve[-1] for name, curve in losses.items()}
     return {
         "drafter": dataclasses.asdict(cfg),
         "steps": args.fidelity_steps,
-        "loss_bf16_target": losses["bf16"],
-        "loss_fp8_target": losses["fp8"],
-        "loss_relative_gap": gap,
-        "features_rel_error": feature_errors,
+        "lr": args.fidelity_lr,
+        "losses": losses,
+        "last_loss": last,
+        "last_loss_relative_difference": {
+            name: (value - base[-1]) / abs(base[-1]) for name, value in last.items()
+        },
+        "mean_loss_relative_difference": {
+            name: statistics.mean((a - b) / abs(b) for a, b in zip(curve, base, strict=True))
+            for name, curve in losses.items()
+        },
+        "layer_rel_errors_by_step": errors,
     }
 
 
-def table(rows: list[dict], fidelity_row: dict | None) -> str:
+def _errors(values: list[float]) -> str:
+    return "/".join(f"{x:.3g}" for x in values)
+
+
+def table(rows: list[dict], fidelity_row: dict | None, layers: list[int]) -> str:
     by_name = {r["variant"]: r for r in rows if "gpu_ms_median" in r}
     base = by_name.get(BASELINE, {}).get("gpu_ms_median")
     capture = by_name.get(CAPTURE_ONLY, {}).get("gpu_ms_median")
+    by_layer = f"rel err at layers {'/'.join(map(str, layers))}"
     head = (
-        f"{'variant':<24} {'GPU ms':>8} {'x all-hid':>9} {'x bf16':>7} {'rel err':>8} "
-        f"{'peak GB':>8} {'fwd GB':>7} {'1st s':>7}"
+        f"{'variant':<24} {'GPU ms':>8} {'x all-hid':>9} {'x bf16':>7} {'peak GB':>8} "
+        f"{'fwd GB':>7} {'1st s':>7}  {by_layer}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -297,22 +413,59 @@ def table(rows: list[dict], fidelity_row: dict | None) -> str:
         lines.append(
             f"{r['variant']:<24} {ms:8.1f} {base / ms if base else float('nan'):9.2f} "
             f"{capture / ms if capture else float('nan'):7.2f} "
-            f"{r['features_rel_error']:8.4f} {r['peak_bytes'] / 1e9:8.1f} "
-            f"{r['forward_peak_bytes'] / 1e9:7.1f} {r['first_call_s']:7.1f}"
+            f"{r['peak_bytes'] / 1e9:8.1f} {r['forward_peak_bytes'] / 1e9:7.1f} "
+            f"{r['first_call_s']:7.1f}  {_errors(r['layer_rel_errors'])}"
+        )
+    gemms = by_name.get(CAPTURE_ONLY, {}).get("gemm_errors")
+    if gemms:
+        fp8 = sorted(g["fp8_rel_error"] for g in gemms)
+        bf16 = sorted(g["bf16_rel_error"] for g in gemms)
+        seen = 1 + max(int(g["layer"].split(".")[0]) for g in gemms)
+        lines.append(
+            f"FP8 GEMMs alone, {len(gemms)} linear layers of decoder layers 0-{seen - 1} "
+            f"on their real activations, error against fp32: median {statistics.median(fp8):.4f}"
+            f" (max {fp8[-1]:.4f}); bf16's own: median {statistics.median(bf16):.4f}"
         )
     if fidelity_row is not None:
         if "error" in fidelity_row:
             lines.append(f"fidelity: failed: {fidelity_row['error']}")
         else:
-            fmt = ", ".join
             lines.append(
-                f"fidelity ({fidelity_row['steps']} steps): drafter loss on bf16 features "
-                f"[{fmt(f'{x:.4f}' for x in fidelity_row['loss_bf16_target'])}], on FP8 "
-                f"[{fmt(f'{x:.4f}' for x in fidelity_row['loss_fp8_target'])}]; relative gap "
-                f"max {max(fidelity_row['loss_relative_gap']):.2e}; FP8 features' error "
-                f"{max(fidelity_row['features_rel_error']):.4f}"
+                f"drafter loss after {fidelity_row['steps']} steps (same init and data, lr "
+                f"{fidelity_row['lr']:g}):"
             )
+            diffs = fidelity_row["last_loss_relative_difference"]
+            means = fidelity_row["mean_loss_relative_difference"]
+            for name, curve in fidelity_row["losses"].items():
+                errs = fidelity_row["layer_rel_errors_by_step"][name][-1]
+                lines.append(
+                    f"  on {name + ' features':<26} first {curve[0]:.4f}, last {curve[-1]:.4f}"
+                    f"; vs bf16: last {diffs[name]:+.2e}, mean over steps {means[name]:+.2e}"
+                    f"; features' {by_layer}: {_errors(errs)}"
+                )
+    lines.append(
+        "Random weights amplify any perturbation layer after layer (the 1-ulp and bf16+fla "
+        "rows show how much alone); a trained checkpoint would be the real test, none is "
+        "available offline."
+    )
     return "\n".join(lines)
+
+
+def chosen(args: argparse.Namespace) -> list[Variant]:
+    """The variants to run: --only's, else the default run's and the flags' groups; the
+    reference row first in any case."""
+    if args.only:
+        wanted = [v for v in VARIANTS if v.name in args.only]
+    else:
+        groups = {
+            "",
+            *(["singles"] if args.singles else []),
+            *(["compile"] if args.compile else []),
+        }
+        wanted = [v for v in VARIANTS if v.group in groups]
+    if VARIANTS[0] not in wanted:  # the reference features and speed
+        wanted.insert(0, VARIANTS[0])
+    return wanted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,16 +486,32 @@ def main(argv: list[str] | None = None) -> int:
     config = HFTargetConfig.load(args.config, dflash_layers(n, DRAFTER_LAYERS))
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab, (args.batch, args.seq), generator=generator).to(DEVICE)
-    rows: list[dict] = []
+    summary: dict[str, Any] = {
+        "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name(DEVICE) if on_gpu() else platform.processor(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "config": args.config,
+        "capture_layers": list(config.capture_layers),
+        "tokens": [args.batch, args.seq],
+        "reps": args.reps,
+        "complete": False,
+        "rows": [],
+        "fidelity": None,
+        "note": "Note [Random weights amplify] in bench/target_speed.py",
+    }
+    for name in ("triton", "fla", "torchao", "transformers"):
+        try:
+            module = __import__(name)
+            summary[name] = getattr(module, "__version__", "?")
+        except ImportError:
+            summary[name] = None
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = summary["rows"]
     reference: dict[str, Any] = {}
-    wanted = [v for v in VARIANTS if args.only is None or v.name in args.only]
-    if args.only and BASELINE not in args.only:  # the reference features and speed
-        wanted.insert(0, VARIANTS[0])
-    for variant in wanted:
+    for variant in chosen(args):
         elapsed = time.perf_counter() - started
-        if args.no_compile and "compile" in variant.fused:
-            rows.append({"variant": variant.name, "skipped": "skipped: --no-compile"})
-        elif not importable(variant.needs):
+        if not importable(variant.needs):
             rows.append({"variant": variant.name, "skipped": f"skipped: {variant.needs} absent"})
         elif elapsed > args.budget and variant.name != BASELINE:
             rows.append(
@@ -361,52 +530,43 @@ def main(argv: list[str] | None = None) -> int:
                 )
             free()  # here, not in the handler: the traceback's frames hold the model
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "traceback"}), flush=True)
+        write(args.out, summary, started)
     reference.clear()
     free()
-    fidelity_row = None
     if args.fidelity_steps > 0:
         try:
-            fidelity_row = fidelity(config, args)
+            summary["fidelity"] = fidelity(config, args)
         except Exception as exc:  # noqa: BLE001 - the failure is what the row reports
-            fidelity_row = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-            fidelity_row["traceback"] = traceback.format_exc()[-4000:]
-    total = time.perf_counter() - started
-    text = table(rows, fidelity_row)
-    summary = {
-        "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "device": torch.cuda.get_device_name(DEVICE) if on_gpu() else platform.processor(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "config": args.config,
-        "capture_layers": list(config.capture_layers),
-        "tokens": [args.batch, args.seq],
-        "reps": args.reps,
-        "total_s": total,
-        "rows": rows,
-        "fidelity": fidelity_row,
-    }
-    for name in ("triton", "fla", "torchao", "transformers"):
-        try:
-            module = __import__(name)
-            summary[name] = getattr(module, "__version__", "?")
-        except ImportError:
-            summary[name] = None
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "target_speed.json").write_text(json.dumps(summary, indent=1))
+            summary["fidelity"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            summary["fidelity"]["traceback"] = traceback.format_exc()[-4000:]
+            free()
+    summary["complete"] = True
+    write(args.out, summary, started)
+    text = table(rows, summary["fidelity"], summary["capture_layers"])
     header = (
         f"{summary['device']}, torch {summary['torch']}, {args.config} at "
-        f"{args.batch} x {args.seq} tokens, capture layers {list(config.capture_layers)}, "
-        f"median of {args.reps}; {total:.0f} s in all\n"
+        f"{args.batch} x {args.seq} tokens, capture layers {summary['capture_layers']}, "
+        f"median of {args.reps}; {summary['total_s']:.0f} s in all\n"
         "x all-hid / x bf16: speed against the bf16 forward keeping every layer's output / "
-        "keeping the capture layers' only; rel err: features against the first row's; "
-        "fwd GB: the forward's peak above the weights; 1st s: the first call, with "
-        "autotuning and compiles\n"
+        "keeping the capture layers' only; rel err: each capture layer's output against the "
+        "first row's; fwd GB: the forward's peak above the weights; 1st s: the first call, "
+        "with autotuning and compiles\n"
     )
     (args.out / "target_speed.txt").write_text(header + text + "\n")
     print(header + text, flush=True)
     if guards is not None:
         guards.uninstall()
     return 0
+
+
+def write(out: Path, summary: dict, started: float) -> None:
+    """target_speed.json as it stands: after every row, so that a run cut short keeps its
+    rows (written whole to a temporary name, then renamed)."""
+    summary["total_s"] = time.perf_counter() - started
+    path = out / "target_speed.json"
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(summary, indent=1))
+    partial.replace(path)
 
 
 if __name__ == "__main__":
