@@ -59,6 +59,8 @@ def profile(activities: list[Any]) -> torch.profiler.profile:
 # A device's dense bf16 matrix rate, FLOP/s, by the name torch reports; the MFU
 # denominator. H100/H200 SXM: 989 TFLOP/s dense bf16 (NVIDIA's datasheet).
 PEAK_BF16_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12}
+# Dense FP8 (e4m3) tensor-core peaks, NVIDIA's H100/H200 SXM datasheets: twice bf16's.
+PEAK_FP8_FLOPS = {"NVIDIA H200": 1979e12, "NVIDIA H100 80GB HBM3": 1979e12}
 
 
 @dataclass
@@ -188,11 +190,13 @@ def union_length(spans: list[tuple[int, int]]) -> int:
     return total
 
 
-def peak_flops(device: int = 0) -> float | None:
-    """The device's dense bf16 peak in FLOP/s, or None for a device not in the table."""
+def peak_flops(device: int = 0, dtype: str = "bf16") -> float | None:
+    """The device's dense bf16 (or "fp8") peak in FLOP/s, or None for a device not in the
+    table."""
     if not torch.cuda.is_available():
         return None
-    return PEAK_BF16_FLOPS.get(torch.cuda.get_device_name(device))
+    table = {"bf16": PEAK_BF16_FLOPS, "fp8": PEAK_FP8_FLOPS}[dtype]
+    return table.get(torch.cuda.get_device_name(device))
 
 
 def count_flops(fn: Callable[[], Any]) -> int:

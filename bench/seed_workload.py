@@ -2,19 +2,23 @@
 hybrid on one GPU with long microbatches of varied length, and the memory a length takes.
 
 - Target: `qwen3-next-large` (transformers' Qwen3-Next, hidden 5120, 64 layers, every 4th
-  full attention, dense MLP, ~23 B), random weights, bf16, built on the GPU; FP8 rows with
-  examples/dflash/fp8.py where it exists. Drafter: DFlash at the target's width (5 layers)
-  on layers 5/19/33/47/61, block 8 with 512 anchors (SpecForge's 27 B recipe) and 16/256.
-- Lengths per microbatch, rounded up to 64: long, uniform on [1,024, 8,192] (mean ~4,640);
-  chat, 320 + an exponential of mean 200 redrawn above 2,048 (mean ~550). Batch 2, acc. 4.
+  full attention, dense MLP, ~23 B), random weights, built on the GPU, in four variants:
+  bf16, bf16 with FLA's fused norms, swiglu and causal conv (examples/dflash/fused.py,
+  `--target-fused fla`), FP8 linear layers (examples/dflash/fp8.py, `--target-fp8`), and
+  both. Drafter: DFlash at the target's width (5 layers) on layers 5/19/33/47/61, block 8
+  with 512 anchors (SpecForge's 27 B recipe) and block 16 with 256.
+- Lengths per microbatch (Note [Stratified lengths]), multiples of 64: long, uniform on
+  [768, 8,192] (mean ~4,510); chat, 320 + an exponential of mean 200 cut at 2,048 (mean
+  ~550). Batch 2, accumulation 4.
 - Rows: the sequential, ThreadPoolExecutor, pipeline (eager) and pipeline (graph stages)
   loops: samples/s, tokens/s, MFU (Note [Counted FLOPs]), peak memory, beside SpecForge's
   27 B figures (another run); memory and samples/s against length (rows and a PNG) with the
   largest length that fits; the drafter stage alone at 2 x 32 k, the default run's only GPU
-  row. `--full` or this command line measures the rest (minutes):
+  row. This command line measures the rest (about 6 minutes; stops starting rows after
+  --budget seconds); --full adds block 16 and the chat workload:
 
-    python -m bench.seed_workload [--quick] [--json F] [--out DIR] [--no-fp8] [--chat]
-        [--b16] [--lengths 4096,8192,16384,32768]
+    python -m bench.seed_workload [--quick] [--full] [--json F] [--out DIR] [--no-fp8]
+        [--chat] [--b16] [--lengths 4096,8192,16384,32768] [--budget 330]
 """
 
 from __future__ import annotations
@@ -59,28 +63,53 @@ SETUP_DIFFERENCES = (
 B8 = replace(DFLASH_B16, block=8, anchors=512)  # the 27 B recipe's drafter
 
 
+# Note [Stratified lengths]: a handful of microbatches drawn at random has a mean far from
+# the distribution's (4,168 against ~4,640 in one run of 8). So `count` lengths are the
+# distribution's `count` equal-probability strata, each the mean of its rounded lengths
+# (rounded to the multiple), in an order shuffled by the seed: their mean is the
+# distribution's (`expected`) within half a multiple, whatever the count.
 @dataclasses.dataclass(frozen=True)
 class Lengths:
-    """Uniform on [low, high], or low + Exp(mean - low) redrawn above high; rounded up."""
+    """Uniform on [low, high], or low + Exp(mean - low) cut at high; each length rounded up
+    to a multiple of `multiple`."""
 
     name: str
     low: int
     high: int
-    mean: int | None = None
+    mean: int | None = None  # the exponential's mean before the cut; None: uniform
     multiple: int = 64
 
+    def quantile(self, u: float) -> float:
+        """The length below which a fraction u of the distribution lies (before rounding)."""
+        if self.mean is None:
+            return self.low + u * (self.high - self.low)
+        scale = self.mean - self.low
+        kept = -math.expm1(-(self.high - self.low) / scale)  # the mass below the cut
+        return self.low - scale * math.log1p(-u * kept)
+
+    def rounded(self, x: float) -> int:
+        return min(self.high, -(-math.ceil(x) // self.multiple) * self.multiple)
+
+    def _stratum(self, i: int, count: int, fine: int = 256) -> float:
+        """The mean rounded length of the i-th of `count` equal-probability strata."""
+        return (
+            sum(self.rounded(self.quantile((i + (j + 0.5) / fine) / count)) for j in range(fine))
+            / fine
+        )
+
+    def expected(self) -> float:
+        """The distribution's mean length, rounding included."""
+        return self._stratum(0, 1, fine=1 << 14)
+
     def draw(self, count: int, seed: int) -> list[int]:
-        g = torch.Generator().manual_seed(seed)
-        out: list[int] = []
-        while len(out) < count:
-            u = torch.rand((), generator=g, dtype=torch.float64).item()
-            if self.mean is None:
-                x = self.low + u * (self.high - self.low)
-            else:
-                x = self.low - (self.mean - self.low) * math.log1p(-u)
-            if x <= self.high:
-                out.append(min(self.high, -(-math.ceil(x) // self.multiple) * self.multiple))
-        return out
+        """`count` lengths, one per stratum, shuffled by `seed` (Note [Stratified lengths])."""
+        lowest = self.rounded(self.low)
+        strata = [self._stratum(i, count) for i in range(count)]
+        lengths = [
+            min(self.high, max(lowest, round(x / self.multiple) * self.multiple)) for x in strata
+        ]
+        order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+        return [lengths[i] for i in order.tolist()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +126,7 @@ class Workload:
     @classmethod
     def gpu(cls, layers: int = 64) -> Workload:
         drafters = {"block 8, 512 anchors": B8, "block 16, 256 anchors": DFLASH_B16}
-        lengths = {"long": Lengths("long", 1024, 8192), "chat": Lengths("chat", 320, 2048, 520)}
+        lengths = {"long": Lengths("long", 768, 8192), "chat": Lengths("chat", 320, 2048, 520)}
         return cls(hybrid_target(layers), drafters, lengths, (4096, 8192, 16384, 32768))
 
     @classmethod
@@ -125,12 +154,17 @@ def hybrid_target(layers: int = 64) -> Any:
     return HFTargetConfig("qwen3-next-large", recipe_layers(layers), config)
 
 
-def varied_batches(job: Job, lengths: Lengths, count: int, pin: bool = False) -> list[dict]:
-    """`count` microbatches of the job's data, batch i at the i-th drawn length: a pure
-    function of (job.seed, lengths, i)."""
+def varied_batches(
+    job: Job, lengths: Lengths, count: int, pin: bool = False, windows: tuple[int, ...] = ()
+) -> list[dict]:
+    """`count` microbatches of the job's data, batch i at the i-th length: a pure function of
+    (job.seed, lengths, count, windows). The lengths are drawn window by window (`windows`:
+    their sizes, repeated; default one window of `count`), each window stratified (Note
+    [Stratified lengths]): a timed window's mean length is the distribution's."""
+    drawn = window_lengths(lengths, count, windows or (count,), job.seed)
     sources: dict[int, Any] = {}
     out = []
-    for i, seq in enumerate(lengths.draw(count, job.seed)):
+    for i, seq in enumerate(drawn):
         if seq not in sources:
             sources[seq] = replace(job, seq=seq).data(job.seed)
         batch = sources[seq].batch(i)
@@ -138,20 +172,42 @@ def varied_batches(job: Job, lengths: Lengths, count: int, pin: bool = False) ->
     return out
 
 
+def window_lengths(lengths: Lengths, count: int, sizes: tuple[int, ...], seed: int) -> list[int]:
+    """`count` lengths drawn window after window of `sizes` (cycled), each window stratified
+    and shuffled with a seed of its own."""
+    drawn: list[int] = []
+    window = 0
+    while len(drawn) < count:
+        size = sizes[window % len(sizes)]
+        drawn += lengths.draw(size, seed * 1000 + window)
+        window += 1
+    return drawn[:count]
+
+
 class VariedSetup(Setup):
-    """bench.pipeline's timing setup over varied-length microbatches."""
+    """bench.pipeline's timing setup over varied-length microbatches: the warm-up steps'
+    microbatches and the timed steps' are each a stratified window."""
 
     lengths: Lengths
 
     def batches(self, count: int) -> list[dict]:
         if len(self._made) < count:
-            self._made = varied_batches(self.job, self.lengths, count, pin=self.on_gpu)
+            acc = self.job.accumulate
+            windows = tuple(n * acc for n in (self.warmup, self.steps) if n)
+            self._made = varied_batches(self.job, self.lengths, count, self.on_gpu, windows)
         return self._made[:count]
+
+    def timed(self) -> list[dict]:
+        """The microbatches of the first repetition's timed steps."""
+        acc = self.job.accumulate
+        return self.batches((self.warmup + self.steps) * acc)[self.warmup * acc :]
 
 
 # Note [Counted FLOPs]: MFU here is the FLOPs of both stages, counted from the shapes, over
-# wall time, against the GPU's dense bf16 peak (the FP8 rows too). Per microbatch of B rows
-# of length L:
+# wall time, against the GPU's dense bf16 peak: for the FP8 rows too, where it reads as
+# "bf16-equivalent" (an FP8 GEMM's peak is twice bf16's, so it can pass 100 %). FP8 rows
+# also give the FP8 GEMMs' own FLOPs over wall time against the dense FP8 peak
+# (limits.PEAK_FP8_FLOPS). Per microbatch of B rows of length L:
 # - target forward: 2 x L x B x (weights of the linear layers it runs); each softmax
 #   attention layer 2 x heads x head_dim x L^2 x B (QK^T and PV, causal half); each
 #   gated-delta-rule layer (FLA's chunked kernels, chunk 64) L x B x value heads x (4 x
@@ -167,21 +223,31 @@ def target_shape(target: nn.Module) -> tuple[int, tuple[int, ...], tuple[int, ..
     """(linear weights a forward runs, (attention layers, heads, head_dim), (delta-rule
     layers, value heads, key_dim, value_dim)): what target_flops counts with."""
     base = getattr(getattr(target, "model", None), "base_model", None)
-    if base is not None:  # examples.dflash.hf.HFTarget: every decoder layer runs
-        cfg = base.config
-        kinds = list(cfg.layer_types)
+    if base is not None:  # examples.dflash.hf.HFTarget: the layers up to the last capture
+        cfg, run = base.config, max(target.layers) + 1  # (Note [Capture layers only])
+        kinds = list(cfg.layer_types)[:run]
         attn = (kinds.count("full_attention"), cfg.num_attention_heads, cfg.head_dim)
         keys, values = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         delta = (kinds.count("linear_attention"), cfg.linear_num_value_heads, keys, values)
-        linear = base.layers
+        linear = base.layers[:run]
     else:  # examples.dflash.models.HybridTarget: the layers up to the last capture
         cfg = target.cfg
         run = max(cfg.capture_layers) + 1
         attn = (run // cfg.attn_every, cfg.heads, cfg.head_dim)
         delta = (run - run // cfg.attn_every, cfg.heads, cfg.head_dim, cfg.head_dim)
         linear = target.layers[:run]
-    weights = sum(m.weight.numel() for m in linear.modules() if isinstance(m, nn.Linear))
-    return weights, attn, delta
+    return linear_weights(linear), attn, delta
+
+
+def linear_weights(module: nn.Module, fp8_only: bool = False) -> int:
+    """The weights of the linear layers in `module`: nn.Linear and FP8Linear (examples/
+    dflash/fp8.py, named here: that module may be absent), or FP8Linear's only."""
+    total = 0
+    for m in module.modules():
+        fp8 = type(m).__name__ == "FP8Linear"
+        if fp8 or (isinstance(m, nn.Linear) and not fp8_only):
+            total += m.in_features * m.out_features
+    return total
 
 
 def target_flops(shape: tuple, batch: int, length: int) -> float:
@@ -209,13 +275,21 @@ def drafter_flops(drafter: BlockDrafter, batch: int, length: int) -> float:
 
 
 def flop_counter(models: Models) -> Callable[[list[dict]], float]:
-    """Both stages' FLOPs of a list of microbatches (Note [Counted FLOPs]), with the
-    target's shape read now: an FP8 conversion later changes its modules, not its FLOPs."""
+    """Both stages' FLOPs of a list of microbatches (Note [Counted FLOPs])."""
     shape, drafter = target_shape(models.targets[0]), models.drafters[0]
     return lambda batches: sum(
         target_flops(shape, *b["input_ids"].shape) + drafter_flops(drafter, *b["input_ids"].shape)
         for b in batches
     )
+
+
+def fp8_flop_counter(models: Models) -> Callable[[list[dict]], float]:
+    """The FLOPs of the target's FP8 GEMMs over a list of microbatches (0 for bf16)."""
+    target = models.targets[0]
+    base = getattr(getattr(target, "model", None), "base_model", None)
+    run = base.layers[: max(target.layers) + 1] if base is not None else target
+    weights = linear_weights(run, fp8_only=True)
+    return lambda batches: sum(2 * b["input_ids"].numel() * weights for b in batches)
 
 
 def peak(on_gpu: bool, reset: bool = False) -> int | None:
@@ -238,18 +312,52 @@ SEQUENTIAL, EXECUTOR = "sequential loop", "ThreadPoolExecutor loop"
 LOOPS = (SEQUENTIAL, EXECUTOR, "pipeline, eager stages", "pipeline, graph stages")
 
 
+# Lengths (with the drafter's shape) already run in this process: Note [Warm lengths].
+_WARM: set[tuple[int, Any]] = set()
+
+
 @dataclasses.dataclass
 class Bench:
-    """The built models of one drafter configuration and what measures them."""
+    """The built models of one target variant and drafter configuration, and what
+    measures them."""
 
     ctx: Context
     models: Models
     job: Job
     placement: Placement
+    variant: str = "bf16"  # the target's: "bf16", "bf16+fla", "fp8", "fp8+fla"
 
     def __post_init__(self) -> None:
         self.on_gpu = self.placement.targets[0].startswith("cuda")
         self.flops = flop_counter(self.models)
+        self.fp8_flops = fp8_flop_counter(self.models)
+        self.warmed = False
+
+    # Note [Warm lengths]: a loop's first call at a new length pays one-time costs (cuDNN's
+    # attention plans, autotuning and compiles; the first measured row of one run read 0.48
+    # samples/s against 1.86 for the same loop later). So before any timed window, warm()
+    # runs a target forward and a drafter forward and backward (no optimizer step: the
+    # weights stay as built) at every length the window will see that this process has not
+    # run with this drafter shape, and, for a newly built target, at its shortest and
+    # longest lengths at least (its own kernels' first calls).
+    def warm(self, batches: list[dict]) -> None:
+        by_length = {b["input_ids"].shape[1]: b for b in batches}
+        shape = dataclasses.astuple(self.job.drafter)
+        todo = [n for n in sorted(by_length) if (n, shape) not in _WARM]
+        if not self.warmed:
+            todo = sorted({min(by_length), max(by_length), *todo})
+        self.ctx.progress(f"{SECTION}: warming the {self.variant} target at {len(todo)} lengths")
+        target, drafter = self.models.targets[0], self.models.drafters[0]
+        device = self.placement.targets[0]
+        for n in todo:
+            batch = {k: t.to(device) for k, t in by_length[n].items()}
+            with torch.no_grad():
+                features = loops.target_forward(target)(batch)
+            loops.drafter_loss(drafter, features).backward()
+            del features, batch
+            _WARM.add((n, shape))
+        free(self.models)
+        self.warmed = True
 
     def step_time(self, name: str, setup: Setup) -> float:  # seconds per optimizer step
         given = self.models, self.placement, setup.job
@@ -265,72 +373,124 @@ class Bench:
         finally:
             loop.close()
 
-    def loop_rows(self, lengths: Lengths, what: str, names=LOOPS) -> list[Row]:
+    def setup(self, lengths: Lengths) -> VariedSetup:
         job = replace(self.job, seq=lengths.high)
         steps = self.ctx.reps(3, 1, default=2)
         setup = VariedSetup(job, self.placement, steps, reps=1, warmup=1, on_gpu=self.on_gpu)
         setup.lengths = lengths
-        return [self.loop_row(name, setup, what) for name in names]
+        return setup
 
-    def loop_row(self, name: str, setup: VariedSetup, what: str) -> Row:
-        self.ctx.progress(f"{SECTION}: {what}, {name}")
+    def loop_rows(
+        self, lengths: Lengths, what: str, names=LOOPS, goal: str | None = None
+    ) -> list[Row]:
+        setup = self.setup(lengths)
+        rows = []
+        for name in names:
+            self.ctx.progress(f"{SECTION}: {what}, {name}")
+            try:
+                self.warm(setup.batches((setup.warmup + setup.steps) * setup.job.accumulate))
+            except Exception as exc:  # noqa: BLE001 (costs the row, as a failed loop does)
+                rows.append(failed_row(f"{what}: {name}, samples/s", exc))
+                continue
+            rows.append(self.loop_row(name, setup, what, goal if name == LOOPS[2] else None))
+        return rows
+
+    def loop_row(self, name: str, setup: VariedSetup, what: str, goal: str | None) -> Row:
         free(self.models)  # and what a failed loop before left
         resident, row_name = peak(self.on_gpu, reset=True), f"{what}: {name}, samples/s"
         try:
             seconds = self.step_time(name, setup)
         except Exception as exc:  # noqa: BLE001 (one loop failing, say an OOM, costs its row)
-            why = f"failed: {type(exc).__name__}: {exc}"[:240]
-            return Row(SECTION, row_name, None, "samples/s", note=why, extra={"status": "failed"})
-        top, acc = peak(self.on_gpu), setup.job.accumulate  # the timed microbatches:
-        timed = setup.batches((setup.warmup + setup.steps) * acc)[setup.warmup * acc :]
+            free(self.models)
+            return failed_row(row_name, exc)
+        top, timed = peak(self.on_gpu), setup.timed()
         free(self.models)
-        rate = acc * setup.job.batch / seconds
+        rate = setup.job.accumulate * setup.job.batch / seconds
         tokens = sum(b["input_ids"].numel() for b in timed) / setup.steps / seconds
-        peak_flops = limits.peak_flops(0) if self.on_gpu else None
-        mfu = peak_flops and self.flops(timed) / setup.steps / seconds / peak_flops
+        bf16_peak = limits.peak_flops(0) if self.on_gpu else None
+        mfu = bf16_peak and self.flops(timed) / setup.steps / seconds / bf16_peak
+        fp8_peak = limits.peak_flops(0, "fp8") if self.on_gpu else None
+        fp8_flops = self.fp8_flops(timed) / setup.steps / seconds
+        fp8_mfu = fp8_peak and fp8_flops and fp8_flops / fp8_peak
         mean = sum(b["input_ids"].shape[1] for b in timed) / len(timed)
-        note = f"{tokens:,.0f} tokens/s" + (f", MFU {mfu:.0%}" if mfu else "")
-        note += (f", peak {top / 2**30:.1f} GiB" if top else "") + f"; mean length {mean:,.0f}"
-        goal, baseline = None, {}
+        note = f"{tokens:,.0f} tokens/s"
+        note += f", MFU {mfu:.0%} (bf16-equivalent)" if mfu else ""
+        note += f", FP8 GEMMs {fp8_mfu:.0%} of the FP8 peak" if fp8_mfu else ""
+        note += f", peak {top / 2**30:.1f} GiB" if top else ""
+        note += f"; mean length {mean:,.0f} (distribution {setup.lengths.expected():,.0f})"
+        baseline = {}
         if self.on_gpu:  # SpecForge beside the GPU rows; the issue's goals on the recipe's
             baseline = dict(baseline_name=CROSS_RUN, baseline=SPECFORGE["disaggregated_per_gpu"])
-            if name == LOOPS[2] and what.startswith("long, block 8"):
-                goal = "value >= 3.0" if "fp8" in what else "value >= 2.2"
+            if goal is not None:
                 note += f"; {SETUP_DIFFERENCES}"
-        extra = dict(tokens_per_s=tokens, mfu=mfu, peak_bytes=top, resident_bytes=resident)
+        goal = goal if self.on_gpu else None
+        extra = dict(tokens_per_s=tokens, mfu=mfu, fp8_gemm_mfu=fp8_mfu, peak_bytes=top,
+                     resident_bytes=resident, mean_length=mean, target_variant=self.variant,
+                     lengths=[b["input_ids"].shape[1] for b in timed])  # fmt: skip
         self.ctx.progress(f"{SECTION}: {row_name}: {rate:.3g} ({note.split('; ')[0]})")
         return compare(SECTION, row_name, rate, "samples/s", **baseline, target=goal, note=note,
                        step_s=seconds, specforge=SPECFORGE, **extra)  # fmt: skip
 
-    def memory(self, lengths: tuple[int, ...], batches: tuple[int, ...]) -> list[dict]:
-        """Peak memory and samples/s of the sequential loop (one microbatch a step, one
-        warm-up step, one timed) at each length and batch; an OOM is a point too (the
-        message says which: cuBLAS and cuDNN failing to allocate raise RuntimeError)."""
+    def memory(
+        self,
+        lengths: tuple[int, ...],
+        batches: tuple[int, ...],
+        pipeline: bool = False,
+        budget: Budget | None = None,
+    ) -> list[dict]:
+        """Peak memory and samples/s at each length and batch of the sequential loop (one
+        microbatch a step, one warm-up step, one timed), or with `pipeline` of the eager
+        pipeline (accumulation 2, depth 2: two microbatches' features in flight); an OOM is
+        a point too (the message says which: cuBLAS and cuDNN failing to allocate raise
+        RuntimeError). Past the `budget`, the points left are left out."""
         points = []
         for length in lengths:
             for batch in batches:
-                self.ctx.progress(f"{SECTION}: memory at {batch} x {length:,}")
-                point: dict[str, Any] = {"length": length, "batch": batch}
-                job = replace(self.job, seq=length, batch=batch, accumulate=1)
-                data = job.data(job.seed).batches(0, 2)
+                if budget is not None and budget.over():
+                    self.ctx.progress(
+                        f"{SECTION}: over the budget: no point at {batch} x {length:,}"
+                    )
+                    continue
+                loop = "pipeline" if pipeline else "sequential"
+                self.ctx.progress(f"{SECTION}: memory at {batch} x {length:,}, {loop} loop")
+                point: dict[str, Any] = {"length": length, "batch": batch, "loop": loop}
+                acc = 2 if pipeline else 1
+                job = replace(self.job, seq=length, batch=batch, accumulate=acc)
+                data = job.data(job.seed).batches(0, 2 * acc)
                 peak(self.on_gpu, reset=True)
-                steps = loops.sequential_steps(self.models, self.placement, job, data, 2)
+                pipe = loops.PipelineLoop(self.models, self.placement, job, 2) if pipeline else None
+                steps = (
+                    pipe.steps(data, 2)
+                    if pipe is not None
+                    else loops.sequential_steps(self.models, self.placement, job, data, 2)
+                )
                 try:
                     next(steps)()
                     started = time.perf_counter()
                     next(steps)()
-                    point["samples_per_s"] = batch / (time.perf_counter() - started)
+                    point["samples_per_s"] = acc * batch / (time.perf_counter() - started)
                     point["peak_bytes"] = peak(self.on_gpu)
-                except (torch.OutOfMemoryError, RuntimeError) as exc:  # cuBLAS's: RuntimeError
-                    message = str(exc).partition("\n")[0][:160]
-                    point["oom"] = f"{type(exc).__name__}: {message}"
+                except Exception as exc:  # noqa: BLE001 (an OOM, or a pipeline's error about one)
+                    point["oom"] = first_line(exc, 160)
                 finally:
                     steps.close()
-                    del steps, data
+                    if pipe is not None:
+                        pipe.close()
+                    del steps, data, pipe
                     free(self.models)
                 points.append(point)
                 self.ctx.progress(f"{SECTION}: {point}")  # for a run cut short
         return points
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip().partition(chr(10))[0]}"[:limit]
+
+
+def failed_row(name: str, exc: BaseException) -> Row:
+    """A loop that failed (an OOM, a capture error): its row, with the error's first line."""
+    why = f"failed: {first_line(exc)}"
+    return Row(SECTION, name, None, "samples/s", note=why, extra={"status": "failed"})
 
 
 def memory_rows(points: list[dict], what: str, on_gpu: bool, goals: dict[int, str]) -> list[Row]:
@@ -340,7 +500,12 @@ def memory_rows(points: list[dict], what: str, on_gpu: bool, goals: dict[int, st
         if "oom" in p:
             rows.append(Row(SECTION, name, None, "bytes", note=f"OOM: {p['oom']}", extra=p))
         elif on_gpu:
-            note = f"{p['samples_per_s']:.2f} samples/s; sequential loop, one microbatch a step"
+            how = (
+                "pipeline, eager stages, accumulation 2, depth 2"
+                if p.get("loop") == "pipeline"
+                else "sequential loop, one microbatch a step"
+            )
+            note = f"{p['samples_per_s']:.2f} samples/s; {how}"
             rows.append(compare(SECTION, name, float(p["peak_bytes"]), "bytes", note=note, **p))
     for batch in sorted({p["batch"] for p in points}):
         fits = [p["length"] for p in points if p["batch"] == batch and "oom" not in p]
@@ -422,16 +587,78 @@ def _drafter_alone(workload: Workload, device: str, length: int) -> tuple[limits
 
 @dataclasses.dataclass
 class Options:
-    everything: bool = False  # the module's command line: every row (as --full)
-    fp8: bool = True  # the --target-fp8 rows, where examples/dflash/fp8.py exists
+    everything: bool = False  # the loop rows (the module's command line); else as --full
+    fp8: bool = True  # the FP8 target's rows, where examples/dflash/fp8.py exists
     lengths: tuple[int, ...] | None = None  # memory-vs-length points (default: the workload's)
     chat: bool | None = None  # the chat workload's rows (default: --full)
     b16: bool | None = None  # the long workload with block 16, 256 anchors (default: --full)
-    out: str | None = None  # a folder for seed_memory_vs_length.png / .json
+    out: str | None = None  # a folder for seed_memory_vs_length.png / .json and partial rows
+    budget: float | None = None  # seconds after which no further item starts (None: no limit)
+    fused: bool = True  # the targets with FLA's fused elementwise kernels, where FLA imports
+
+
+# The target variants: (FP8 linear layers, fused elementwise kernels), as the example's
+# --target-fp8 and --target-fused fla.
+FLA_FUSIONS = ("norms", "swiglu", "conv")
+TARGETS = {
+    "bf16": (False, ()),
+    "bf16+fla": (False, FLA_FUSIONS),
+    "fp8": (True, ()),
+    "fp8+fla": (True, FLA_FUSIONS),
+}
+
+
+def target_variants(opts: Options, job: Job) -> list[str]:
+    """The variants this machine can build: FP8 where fp8.py imports (a GPU's needs
+    compute capability 9.0, which to_fp8 checks), the fused ones with an HF target and FLA."""
+    try:
+        from examples.dflash import fp8  # noqa: F401 (the FP8 rows need it)
+    except ImportError:
+        has_fp8 = False
+    else:
+        has_fp8 = opts.fp8
+    try:
+        from examples.dflash.fused import fla_available
+    except ImportError:
+        has_fla = False
+    else:
+        has_fla = opts.fused and hasattr(job.target, "fused") and fla_available()
+    return [
+        name
+        for name, (fp8, fused) in TARGETS.items()
+        if (has_fp8 or not fp8) and (has_fla or not fused)
+    ]
+
+
+def build_bench(ctx: Context, job: Job, placement: Placement, variant: str) -> Bench:
+    """The models of `job` with its target in `variant` (TARGETS): the same random weights
+    and the same initial drafter for every variant (build_models seeds both)."""
+    fp8, fused = TARGETS[variant]
+    ctx.progress(f"{SECTION}: building the {variant} target and the drafter")
+    if hasattr(job.target, "fused"):  # examples.dflash.hf.HFTargetConfig: built in variant
+        job = replace(job, target=replace(job.target, fp8=fp8, fused=fused))
+        return Bench(ctx, loops.build_models(job, placement), job, placement, variant)
+    models = loops.build_models(job, placement)  # the built-in hybrid (CPU): FP8 in place
+    if fp8:
+        from examples.dflash.fp8 import to_fp8
+
+        to_fp8(models.targets[0])
+    return Bench(ctx, models, job, placement, variant)
+
+
+class Budget:
+    """Seconds left for the section's optional items (None: no limit)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.end = None if seconds is None else time.perf_counter() + seconds
+
+    def over(self) -> bool:
+        return self.end is not None and time.perf_counter() > self.end
 
 
 def run(ctx: Context) -> list[Row]:
     opts = ctx.options.get(SECTION) or Options()
+    budget = Budget(opts.budget)
     on_gpu = ctx.gpus > 0
     workload = Workload.gpu() if on_gpu else Workload.cpu()
     device = "cuda:0" if on_gpu else "cpu"
@@ -444,40 +671,80 @@ def run(ctx: Context) -> list[Row]:
     (first, drafter), (second, other) = workload.drafters.items()
     long, chat = workload.lengths["long"], workload.lengths["chat"]
     job = Job(workload.target, drafter, long.high, workload.batch, workload.accumulate, 1e-4)
-    ctx.progress(f"{SECTION}: building the target and the drafter")
-    bench = Bench(ctx, loops.build_models(job, placement), job, placement)
-    rows += bench.loop_rows(long, f"long, {first}", LOOPS[:3])
-    curves = {"bf16": bench.memory(lengths := opts.lengths or workload.memory_lengths, (1, 2))}
-    rows += memory_rows(curves["bf16"], "bf16 target", on_gpu, {1: "value >= 32768"})
-    rows += bench.loop_rows(long, f"long, {first}", LOOPS[3:])  # last: may lose, or take long
-    save(curves, opts.out)  # now too: the FP8 rows may take the rest of a time limit
-    if opts.b16 if opts.b16 is not None else full and on_gpu:
-        ctx.progress(f"{SECTION}: a second drafter ({second})")
-        j = replace(job, drafter=other)
-        built = loops.build_models(j, placement, target=bench.models.targets[0])
-        b16 = Bench(ctx, built, j, placement)
-        rows += b16.loop_rows(long, f"long, {second}")
-        if opts.chat if opts.chat is not None else full and on_gpu:
-            rows += b16.loop_rows(chat, f"chat, {second}")
-        del b16, built
+    lengths = opts.lengths or workload.memory_lengths
+    variants = target_variants(opts, job)
+    fastest_fp8 = ([v for v in variants if v.startswith("fp8")] or [None])[-1]
+    curves: dict[str, list[dict]] = {}
+
+    def keep(new: list[Row]) -> None:
+        rows.extend(new)
+        save_rows(rows, opts.out)
+
+    def skip(name: str, goal: str | None = None) -> None:
+        why = f"not run: over the --budget of {opts.budget:.0f} s"
+        keep([not_run(SECTION, name, why, goal if on_gpu else None)])
+
+    # The bf16 target's three loops first, then each cheaper target's pipeline: the rows
+    # the issue's goals name come before the long memory sweep and the graph stages.
+    bench = build_bench(ctx, job, placement, "bf16")
+    keep(bench.loop_rows(long, f"long, {first}", LOOPS[:3], goal="value >= 2.2"))
+    del bench
+    free()
+    for variant in variants[1:]:
+        what, goal = f"long, {first}, {variant} target", None
+        goal = "value >= 3.0" if variant == fastest_fp8 else None
+        if budget.over():
+            skip(f"{what}: {LOOPS[2]}, samples/s", goal)
+            continue
+        bench = build_bench(ctx, job, placement, variant)
+        keep(bench.loop_rows(long, what, LOOPS[2:3], goal=goal))
+        if variant == fastest_fp8 and not budget.over():
+            longest = [n for n in lengths if n >= 16384] or list(lengths[-1:])
+            curves[variant] = bench.memory(longest, (2,), budget=budget)
+            keep(memory_rows(curves[variant], f"{variant} target", on_gpu,
+                             {2: "value >= 32768"}))  # fmt: skip
+            if not budget.over():
+                name = f"{variant}, pipeline"
+                curves[name] = bench.memory(longest[-1:], (2,), pipeline=True)
+                keep(memory_rows(curves[name], f"{variant} target, pipeline", on_gpu, {}))
+            save(curves, opts.out)
+        del bench
         free()
-    try:  # branch target's module, not merged everywhere yet
-        from examples.dflash.fp8 import to_fp8
-    except ImportError:
-        to_fp8 = None
-    if opts.fp8 and on_gpu and to_fp8 is None:
-        why = "not available: no examples/dflash/fp8.py here"
-        rows.append(not_run(SECTION, f"long, {first}, fp8 target", why, "value >= 3.0"))
-    if opts.fp8 and on_gpu and to_fp8 is not None:
-        ctx.progress(f"{SECTION}: the target's linear layers in FP8, row-wise scales")
-        converted = to_fp8(bench.models.targets[0], granularity="row")
-        if isinstance(converted, nn.Module):  # else converted in place
-            bench.models = replace(bench.models, targets=[converted])
-        rows += bench.loop_rows(long, f"long, {first}, fp8 target", LOOPS[2:3])
-        curves["fp8"] = bench.memory([n for n in lengths if n >= 16384] or lengths, (2,))
-        rows += memory_rows(curves["fp8"], "fp8 target", on_gpu, {2: "value >= 32768"})
+    if budget.over():
+        skip(f"bf16 target: memory at 1 x {max(lengths):,}", "value >= 32768")
+        skip(f"long, {first}: {LOOPS[3]}, samples/s")
+    else:
+        bench = build_bench(ctx, job, placement, "bf16")
+        curves["bf16"] = bench.memory(lengths, (1, 2), budget=budget)
+        keep(memory_rows(curves["bf16"], "bf16 target", on_gpu, {1: "value >= 32768"}))
+        save(curves, opts.out)
+        # Last of the bf16 target's: the graph stages may fail or take long.
+        if budget.over():
+            skip(f"long, {first}: {LOOPS[3]}, samples/s")
+        else:
+            keep(bench.loop_rows(long, f"long, {first}", LOOPS[3:]))
+        if opts.b16 if opts.b16 is not None else ctx.full and on_gpu:
+            ctx.progress(f"{SECTION}: a second drafter ({second})")
+            j = replace(job, drafter=other)
+            built = loops.build_models(j, placement, target=bench.models.targets[0])
+            b16 = Bench(ctx, built, j, placement)
+            keep(b16.loop_rows(long, f"long, {second}"))
+            if opts.chat if opts.chat is not None else ctx.full and on_gpu:
+                keep(b16.loop_rows(chat, f"chat, {second}"))
+            del b16, built
+        del bench
+        free()
     save(curves, opts.out)
     return rows
+
+
+def save_rows(rows: list[Row], out: str | None) -> None:
+    """seed_workload.partial.json in `out`: the rows so far, for a run cut short (the
+    suite writes the section's JSON only when the section ends)."""
+    if out:
+        path = Path(out) / "seed_workload.partial.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps([r.as_dict() for r in rows], indent=1, default=str))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -487,9 +754,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", type=counts_arg("length", "4096,32768"))
     parser.add_argument("--chat", action="store_true", help="the chat workload's rows too")
     parser.add_argument("--b16", action="store_true", help="block 16, 256 anchors too")
+    parser.add_argument("--no-fused", action="store_true", help="leave out the FLA-fused targets")
+    parser.add_argument(
+        "--budget", type=float, default=330.0, help="seconds after which no further item starts"
+    )
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     b16, chat = args.b16 or args.chat or None, args.chat or None
-    options = Options(True, not args.no_fp8, args.lengths, chat, b16, args.out)
+    options = Options(
+        True, not args.no_fp8, args.lengths, chat, b16, args.out, args.budget, not args.no_fused
+    )
     from bench import run as suite
 
     return suite.main(["--sections", SECTION, *rest], options={SECTION: options})
