@@ -8,8 +8,8 @@ hybrid on one GPU with long microbatches of varied length, and the memory a leng
   both. Drafter: DFlash at the target's width (5 layers) on layers 5/19/33/47/61, block 8
   with 512 anchors (SpecForge's 27 B recipe) and block 16 with 256.
 - Lengths per microbatch (Note [Stratified lengths]), multiples of 64: long, uniform on
-  [768, 8,192] (mean ~4,510); chat, 320 + an exponential of mean 200 cut at 2,048 (mean
-  ~550). Batch 2, accumulation 4.
+  [768, 8,192] (mean 4,512); chat, 320 + an exponential of mean 200 cut at 2,048 (mean
+  553). Batch 2, accumulation 4.
 - Rows: the sequential, ThreadPoolExecutor, pipeline (eager) and pipeline (graph stages)
   loops: samples/s, tokens/s, MFU (Note [Counted FLOPs]), peak memory, beside SpecForge's
   27 B figures (another run); memory and samples/s against length (rows and a PNG) with the
@@ -346,6 +346,8 @@ class Bench:
         todo = [n for n in sorted(by_length) if (n, shape) not in _WARM]
         if not self.warmed:
             todo = sorted({min(by_length), max(by_length), *todo})
+        if not todo:
+            return
         self.ctx.progress(f"{SECTION}: warming the {self.variant} target at {len(todo)} lengths")
         target, drafter = self.models.targets[0], self.models.drafters[0]
         device = self.placement.targets[0]
