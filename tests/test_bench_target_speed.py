@@ -60,3 +60,18 @@ def test_default_run_leaves_singles_and_compile_behind_their_flags():
     assert len(every) == len(target_speed.VARIANTS)
     only = target_speed.chosen(target_speed.parse_args(["--only", "fp8+fla"]))
     assert [v.name for v in only] == ["bf16 all hidden states", "fp8+fla"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_one_ulp_moves_each_magnitude_one_step_as_nextafter(dtype):
+    import torch
+
+    from bench.target_speed import one_ulp
+
+    dtype = getattr(torch, dtype)
+    x = (torch.randn(1000) * 10).to(dtype)
+    x[:4] = 0
+    up = torch.rand(1000) < 0.5
+    away = torch.where(x >= 0, torch.inf, -torch.inf).to(dtype)
+    want = torch.where(up, torch.nextafter(x, away), torch.nextafter(x, torch.zeros_like(x)))
+    assert torch.equal(one_ulp(x, up), want)
