@@ -7,10 +7,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
-#include <thread>
 
 #include "core/clock.h"
-#include "python/future_object.h"
+#include "core/spin.h"
 #include "python/gil.h"
 #include "python/lane_runtime.h"
 
@@ -26,7 +25,6 @@ struct FutureLock {
   std::atomic<unsigned long> owner;  // thread ident, 0 when free
   unsigned long count;               // how often the owner took it; the owner's only
   std::atomic<int> sleepers;         // threads blocked on it
-  PyObject* future;                  // whose `_condition` it is; cleared when that goes
 };
 
 // Contention is rare (a waiter installing itself while the worker tells the waiters):
@@ -39,29 +37,27 @@ std::condition_variable contended_cv;
 // threading.Event, and a worker that has tasks queued gets the GIL only then, after a
 // waiter has been installed on every future; each then costs a notification and a
 // removal. A thread taking its first FutureLock (it holds none) while a worker waits to
-// enter, or while the lock's future has not started, therefore lets the GIL go until the
-// worker has it and the future has started (at most kHandOverNs), then asks for it
-// back. The worker runs its queue first and lets the GIL go once the queue is empty, or
-// earlier when CPython's switch interval says so, as with any call that lets the GIL go;
-// the wait then finds those futures done and returns without waiters.
+// enter therefore lets the GIL go until the worker has it (at most kHandOverNs, and
+// only while a core is free: Note [Polling only on a free core], core/spin.h), then
+// asks for it back. The worker runs its queue first and lets the GIL go once the queue
+// is empty, or earlier when CPython's switch interval says so, as with any call that
+// lets the GIL go; the wait then finds those futures done and returns without waiters.
+// Only a worker that wants the GIL now is waited for: a future that is merely pending
+// (queued behind a long task) gains nothing from a hand-over, and waiting for it cost
+// every take 20 µs, a wait over a million pending futures 20 s past its timeout
+// (issue 35). Future.add_done_callback takes the lock without one (lock_future_lock,
+// from future_object.cpp): handing over there let the task finish first, and the
+// callback ran on the caller instead of on the thread that completes the future.
 constexpr int64_t kHandOverNs = 20'000;
 thread_local int held_from_python = 0;  // FutureLocks this thread took from Python
 
-bool not_started(PyObject* future) {
-  return future != nullptr && as_future(future)->state().status() == FutureStatus::Pending;
-}
-
-void hand_over_to_waiting_worker(FutureLock* l) {
-  if (held_from_python != 0) return;
-  if (!WaitingWithoutGil::workers_entering() && !not_started(l->future)) return;
-  PyObject* future = Py_XNewRef(l->future);  // kept while the GIL is let go
+void hand_over_to_waiting_worker() {
+  if (held_from_python != 0 || !WaitingWithoutGil::workers_entering()) return;
   without_gil([&] {
     WaitingWithoutGil waiting;  // the worker's poll ends at once
-    const int64_t until = now_ns() + kHandOverNs;
-    while ((WaitingWithoutGil::workers_entering() || not_started(future)) && now_ns() < until)
-      std::this_thread::yield();
+    poll_while_cores_free(now_ns() + kHandOverNs,
+                          [] { return !WaitingWithoutGil::workers_entering(); });
   });
-  Py_XDECREF(future);
 }
 
 PyTypeObject FutureLockType = {PyVarObject_HEAD_INIT(nullptr, 0)};
@@ -140,7 +136,7 @@ PyObject* acquire(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObj
     return nullptr;
   }
   WaitingWithoutGil::preparing();
-  hand_over_to_waiting_worker(lock_of(self));
+  hand_over_to_waiting_worker();
   const int got = lock_future_lock(self, block ? t : 0.0);
   if (got < 0) return nullptr;
   held_from_python += got;
@@ -155,7 +151,7 @@ PyObject* release(PyObject* self, PyObject*) {
 
 PyObject* enter_method(PyObject* self, PyObject*) {
   WaitingWithoutGil::preparing();
-  hand_over_to_waiting_worker(lock_of(self));
+  hand_over_to_waiting_worker();
   if (lock_future_lock(self, -1.0) < 0) return nullptr;
   ++held_from_python;
   Py_RETURN_TRUE;
@@ -221,16 +217,13 @@ bool unlock_future_lock(PyObject* lock) {
   return true;
 }
 
-void detach_future_lock(PyObject* lock) { lock_of(lock)->future = nullptr; }
-
-PyObject* new_future_lock(PyObject* future) {
+PyObject* new_future_lock() {
   PyObject* obj = FutureLockType.tp_alloc(&FutureLockType, 0);
   if (obj == nullptr) return nullptr;
   FutureLock* l = lock_of(obj);
   new (&l->owner) std::atomic<unsigned long>(0);
   l->count = 0;
   new (&l->sleepers) std::atomic<int>(0);
-  l->future = future;
   return obj;
 }
 
