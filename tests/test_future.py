@@ -8,7 +8,6 @@ import concurrent.futures._base as base
 import functools
 import os
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -17,6 +16,7 @@ import pytest
 from polling_helpers import eventually
 
 import pydflash
+from bench.dispatch import busy_processes, stop
 
 SETTLED = (base.FINISHED, base.CANCELLED_AND_NOTIFIED)
 RACE_ROUNDS = 150
@@ -496,18 +496,12 @@ def test_wait_and_as_completed_timeouts_hold_over_100k_pending_futures() -> None
 
 @pytest.fixture
 def busy_cores():
-    """Twice as many busy processes as cores, each ending by itself within a minute."""
-    spin = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"
-    procs = [
-        subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2 * (os.cpu_count() or 1))
-    ]
+    """Twice as many busy processes as cores, as bench.dispatch makes them."""
+    procs = busy_processes(2 * (os.cpu_count() or 1))
     try:
         yield len(procs)
     finally:
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.wait()
+        stop(procs)
 
 
 def test_waits_results_and_callbacks_are_right_under_cpu_load(busy_cores) -> None:

@@ -10,30 +10,41 @@ namespace pydflash {
 /// Note [Polling only on a free core]: a thread that polls instead of sleeping (a
 /// future's waiter, an idle worker watching its queue, a worker waiting for the GIL)
 /// saves a wake-up, a few µs, when a core is free for it. When none is, each
-/// sched_yield hands the core to another process for its time slice (a millisecond or
-/// more), while a thread asleep on a futex is run as soon as it is woken (the scheduler
-/// favours woken sleepers): under K busy processes on 2 cores, a polling round trip cost
-/// 8 to 40 times ThreadPoolExecutor's blocking one (issue 35). So every poll asks
-/// cores_free() before each try, and sleeps as soon as it says no.
+/// sched_yield between tries hands the core to another process for its time slice
+/// (milliseconds), while a thread asleep on a futex runs as soon as it is woken (the
+/// scheduler favours woken sleepers): under 2 and 4 busy processes on 2 cores, a polling
+/// round trip cost 5 and 15 ms where ThreadPoolExecutor's blocking one cost 21 and 27 µs
+/// (issue 35).
 ///
-/// cores_free() reads how many threads the machine has runnable now (the kernel's count,
-/// /proc/loadavg's fourth field, the polling thread included) against the cores this
-/// process may run on, at most every kLoadReadNs, shared by every thread. A yield that
-/// returns late (kLateYieldNs: another thread ran on this core meanwhile) says the cores
-/// are busy until the next read. Where the count cannot be read, late yields alone decide.
+/// A yield that returns late (after kLateYieldNs, half a millisecond: another thread had
+/// this core for a time slice) is the sign, and the only cost is that one slice: from
+/// then on every poll of the process sleeps at once for a back-off, which doubles from
+/// kMinBackOffNs (1 ms) to kMaxBackOffNs (256 ms) while the polls that try again keep
+/// finding their core taken, and starts over once a poll that yielded ends without a
+/// late yield. A shorter threshold also caught yields to this process's own threads'
+/// short bursts (a worker spinning while the caller ran ThreadPoolExecutor round trips),
+/// and backed off on a quiet machine. The load average cannot say it either: it counts
+/// threads runnable anywhere, while only those queued on the poller's own core take its
+/// slice, and on a shared machine others' short bursts made it call a quiet one busy.
 bool cores_free();
 
-/// std::this_thread::yield(), noting a late return (see above).
-void yield_core();
+/// std::this_thread::yield(); false when it returned late, which starts a back-off.
+bool yield_core();
+/// A poll that yielded and ended without a late yield: the back-off starts over.
+void polled_promptly();
 
 /// Polls `ready` until it holds, now_ns() passes `until_ns`, or cores_free() says no,
 /// yielding between tries; returns ready()'s last answer. Tries at least once.
 template <typename Ready>
 bool poll_while_cores_free(int64_t until_ns, Ready&& ready) {
+  bool yielded = false;
   for (;;) {
-    if (ready()) return true;
-    if (now_ns() >= until_ns || !cores_free()) return false;
-    yield_core();
+    if (ready()) {
+      if (yielded) polled_promptly();
+      return true;
+    }
+    if (now_ns() >= until_ns || !cores_free() || !yield_core()) return false;
+    yielded = true;
   }
 }
 
