@@ -14,6 +14,7 @@ constexpr int64_t kMaxBackOffNs = 256'000'000;
 
 std::atomic<int64_t> sleep_until_ns{0};  // polls sleep at once until then
 std::atomic<int64_t> back_off_ns{kMinBackOffNs};
+std::atomic<uint64_t> late{0};
 
 }  // namespace
 
@@ -24,6 +25,7 @@ bool yield_core() {
   std::this_thread::yield();
   const int64_t after = now_ns();
   if (after - before <= kLateYieldNs) return true;
+  late.fetch_add(1, std::memory_order_relaxed);
   // Another thread had this core: sleep instead of polling for a while, longer each time
   // in a row. Races between pollers only pick one of their back-offs.
   const int64_t back_off = back_off_ns.load(std::memory_order_relaxed);
@@ -36,5 +38,7 @@ void polled_promptly() {
   if (back_off_ns.load(std::memory_order_relaxed) != kMinBackOffNs)
     back_off_ns.store(kMinBackOffNs, std::memory_order_relaxed);
 }
+
+uint64_t late_yields() { return late.load(std::memory_order_relaxed); }
 
 }  // namespace pydflash

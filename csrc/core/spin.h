@@ -32,6 +32,8 @@ bool cores_free();
 bool yield_core();
 /// A poll that yielded and ended without a late yield: the back-off starts over.
 void polled_promptly();
+/// Late yields so far in this process, for tests and stats.
+uint64_t late_yields();
 
 /// Polls `ready` until it holds, now_ns() passes `until_ns`, or cores_free() says no,
 /// yielding between tries; returns ready()'s last answer. Tries at least once.
