@@ -19,9 +19,10 @@ namespace pydflash {
 /// A yield that returns late (after kLateYieldNs, half a millisecond: another thread had
 /// this core for a time slice) is the sign, and the only cost is that one slice: from
 /// then on every poll of the process sleeps at once for a back-off, which doubles from
-/// kMinBackOffNs (1 ms) to kMaxBackOffNs (256 ms) while the polls that try again keep
-/// finding their core taken, and starts over once a poll that yielded ends without a
-/// late yield. A shorter threshold also caught yields to this process's own threads'
+/// kMinBackOffNs (1 ms) to kMaxBackOffNs (256 ms) with each late yield of the polls that
+/// try again, and starts over after kPromptStreak prompt yields in a row: a lucky prompt
+/// poll on a busy machine must not bring the polls, and their lost slices, back every
+/// millisecond. A shorter threshold also caught yields to this process's own threads'
 /// short bursts (a worker spinning while the caller ran ThreadPoolExecutor round trips),
 /// and backed off on a quiet machine. The load average cannot say it either: it counts
 /// threads runnable anywhere, while only those queued on the poller's own core take its
@@ -30,8 +31,6 @@ bool cores_free();
 
 /// std::this_thread::yield(); false when it returned late, which starts a back-off.
 bool yield_core();
-/// A poll that yielded and ended without a late yield: the back-off starts over.
-void polled_promptly();
 /// Late yields so far in this process, for tests and stats.
 uint64_t late_yields();
 
@@ -39,14 +38,9 @@ uint64_t late_yields();
 /// yielding between tries; returns ready()'s last answer. Tries at least once.
 template <typename Ready>
 bool poll_while_cores_free(int64_t until_ns, Ready&& ready) {
-  bool yielded = false;
   for (;;) {
-    if (ready()) {
-      if (yielded) polled_promptly();
-      return true;
-    }
+    if (ready()) return true;
     if (now_ns() >= until_ns || !cores_free() || !yield_core()) return false;
-    yielded = true;
   }
 }
 
