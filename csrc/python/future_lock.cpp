@@ -10,6 +10,7 @@
 
 #include "core/clock.h"
 #include "core/spin.h"
+#include "python/future_object.h"
 #include "python/gil.h"
 #include "python/lane_runtime.h"
 
@@ -25,6 +26,7 @@ struct FutureLock {
   std::atomic<unsigned long> owner;  // thread ident, 0 when free
   unsigned long count;               // how often the owner took it; the owner's only
   std::atomic<int> sleepers;         // threads blocked on it
+  PyObject* future;                  // whose `_condition` it is; cleared when that goes
 };
 
 // Contention is rare (a waiter installing itself while the worker tells the waiters):
@@ -37,27 +39,48 @@ std::condition_variable contended_cv;
 // threading.Event, and a worker that has tasks queued gets the GIL only then, after a
 // waiter has been installed on every future; each then costs a notification and a
 // removal. A thread taking its first FutureLock (it holds none) while a worker waits to
-// enter therefore lets the GIL go until the worker has it (at most kHandOverNs, and
-// only while a core is free: Note [Polling only on a free core], core/spin.h), then
-// asks for it back. The worker runs its queue first and lets the GIL go once the queue
-// is empty, or earlier when CPython's switch interval says so, as with any call that
-// lets the GIL go; the wait then finds those futures done and returns without waiters.
-// Only a worker that wants the GIL now is waited for: a future that is merely pending
-// (queued behind a long task) gains nothing from a hand-over, and waiting for it cost
-// every take 20 µs, a wait over a million pending futures 20 s past its timeout
-// (issue 35). Future.add_done_callback takes the lock without one (lock_future_lock,
-// from future_object.cpp): handing over there let the task finish first, and the
-// callback ran on the caller instead of on the thread that completes the future.
+// enter, or while the lock's future has not started (its worker may be waking for it),
+// therefore lets the GIL go until the worker has it and the future has started (at most
+// kHandOverNs), then asks for it back. The worker runs its queue first and lets the GIL
+// go once the queue is empty, or earlier when CPython's switch interval says so, as
+// with any call that lets the GIL go; the wait then finds those futures done and
+// returns without waiters.
+//
+// A pending future's worker may be busy with a long task instead: then the hand-over
+// gains nothing, and it cost every take of such a future's condition 20 µs, a wait over
+// a million pending futures 20 s past its timeout (issue 35). So once a hand-over for a
+// pending future ends with the future still pending, this thread hands over for pending
+// futures no more for kFruitlessNs (a worker that wants the GIL still gets it).
+// Future.add_done_callback takes the lock without a hand-over (lock_future_lock, from
+// future_object.cpp): handing over there let the task finish first, and the callback ran
+// on the caller instead of on the thread that completes the future.
 constexpr int64_t kHandOverNs = 20'000;
+constexpr int64_t kFruitlessNs = 10'000'000;
 thread_local int held_from_python = 0;  // FutureLocks this thread took from Python
+thread_local int64_t pending_hand_overs_after_ns = 0;
 
-void hand_over_to_waiting_worker() {
-  if (held_from_python != 0 || !WaitingWithoutGil::workers_entering()) return;
-  without_gil([&] {
+bool not_started(PyObject* future) {
+  return future != nullptr && as_future(future)->state().status() == FutureStatus::Pending;
+}
+
+void hand_over_to_waiting_worker(FutureLock* l) {
+  if (held_from_python != 0) return;
+  const bool for_pending = now_ns() >= pending_hand_overs_after_ns && not_started(l->future);
+  if (!for_pending && !WaitingWithoutGil::workers_entering()) return;
+  PyObject* future = Py_XNewRef(l->future);  // kept while the GIL is let go
+  const bool fruitless = without_gil([&] {
     WaitingWithoutGil waiting;  // the worker's poll ends at once
-    poll_while_cores_free(now_ns() + kHandOverNs,
-                          [] { return !WaitingWithoutGil::workers_entering(); });
+    // Yielding even when no core is free (Note [Polling only on a free core]): the
+    // yield is what lets a worker that shares this core take the GIL, and it comes at
+    // most once per wait and kFruitlessNs, not once per future.
+    const int64_t until = now_ns() + kHandOverNs;
+    while ((WaitingWithoutGil::workers_entering() || (for_pending && not_started(future))) &&
+           now_ns() < until)
+      yield_core();
+    return for_pending && not_started(future);
   });
+  if (fruitless) pending_hand_overs_after_ns = now_ns() + kFruitlessNs;
+  Py_XDECREF(future);
 }
 
 PyTypeObject FutureLockType = {PyVarObject_HEAD_INIT(nullptr, 0)};
@@ -136,7 +159,7 @@ PyObject* acquire(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObj
     return nullptr;
   }
   WaitingWithoutGil::preparing();
-  hand_over_to_waiting_worker();
+  hand_over_to_waiting_worker(lock_of(self));
   const int got = lock_future_lock(self, block ? t : 0.0);
   if (got < 0) return nullptr;
   held_from_python += got;
@@ -151,7 +174,7 @@ PyObject* release(PyObject* self, PyObject*) {
 
 PyObject* enter_method(PyObject* self, PyObject*) {
   WaitingWithoutGil::preparing();
-  hand_over_to_waiting_worker();
+  hand_over_to_waiting_worker(lock_of(self));
   if (lock_future_lock(self, -1.0) < 0) return nullptr;
   ++held_from_python;
   Py_RETURN_TRUE;
@@ -217,13 +240,16 @@ bool unlock_future_lock(PyObject* lock) {
   return true;
 }
 
-PyObject* new_future_lock() {
+void detach_future_lock(PyObject* lock) { lock_of(lock)->future = nullptr; }
+
+PyObject* new_future_lock(PyObject* future) {
   PyObject* obj = FutureLockType.tp_alloc(&FutureLockType, 0);
   if (obj == nullptr) return nullptr;
   FutureLock* l = lock_of(obj);
   new (&l->owner) std::atomic<unsigned long>(0);
   l->count = 0;
   new (&l->sleepers) std::atomic<int>(0);
+  l->future = future;
   return obj;
 }
 

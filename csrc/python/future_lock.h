@@ -11,8 +11,10 @@ namespace pydflash::python {
 /// Readies the type and adds it to the module as FutureLock.
 void add_future_lock_type(PyObject* module);
 
-/// A new, unlocked FutureLock.
-PyObject* new_future_lock();
+/// A new, unlocked FutureLock for `future` (borrowed: the future outlives its use here,
+/// and calls detach_future_lock when it goes).
+PyObject* new_future_lock(PyObject* future);
+void detach_future_lock(PyObject* lock);
 
 /// Takes the lock for this thread, again if it holds it; blocks without the GIL while
 /// another thread holds it. Entered. timeout_s < 0 waits forever. Returns 1 when taken,

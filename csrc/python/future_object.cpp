@@ -48,6 +48,7 @@ int traverse(PyObject* self, visitproc visit, void* arg) {
 
 int clear(PyObject* self) {
   auto* f = self_of(self);
+  if (f->cond != nullptr) detach_future_lock(f->cond);  // the lock may outlive the future
   Py_CLEAR(f->result);
   Py_CLEAR(f->exception);
   Py_CLEAR(f->lane);
@@ -160,7 +161,7 @@ PyObject* get_condition(PyObject* self, void*) {
   // `_condition` first, and would otherwise wait forever.
   if (!f->state().done() && orphaned_by_fork(f)) return nullptr;
   if (f->cond == nullptr) {
-    PyObject* lock = new_future_lock();
+    PyObject* lock = new_future_lock(self);
     if (lock == nullptr) return nullptr;
     f->cond = lock;
     f->state().mark_observed();
