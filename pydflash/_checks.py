@@ -6,13 +6,15 @@ from collections.abc import Callable
 from typing import Any
 
 
-def counted(value: Any, name: str, *, minimum: int = 1) -> int:
-    """`value` as a count of at least `minimum`: a TypeError for a non-int (bool included),
-    a ValueError below the minimum."""
+def counted(value: Any, name: str, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """`value` as a count of at least `minimum` (and at most `maximum`): a TypeError for a
+    non-int (bool included), a ValueError out of bounds."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"expected {name} to be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"expected {name} >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"expected {name} <= {maximum}, got {value}")
     return value
 
 

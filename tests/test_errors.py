@@ -1,6 +1,8 @@
 """Bad input gets a typed error that says what was expected; one test per mapping."""
 
 import concurrent.futures
+import copy
+import multiprocessing
 import pickle
 import re
 import threading
@@ -198,3 +200,50 @@ def test_errors_are_picklable_and_share_a_base(cls):
     err = pickle.loads(pickle.dumps(cls("message")))
     assert type(err) is cls and str(err) == "message"
     assert isinstance(err, errors.PydflashError)
+
+
+@pytest.mark.parametrize("what", ["Dispatcher", "Lane"])
+@pytest.mark.parametrize(
+    "how", [pickle.dumps, copy.copy, copy.deepcopy], ids=["pickle", "copy", "deepcopy"]
+)
+def test_pickling_or_copying_a_dispatcher_or_lane_is_a_type_error_saying_what_to_do(what, how):
+    # Issue 35: a PicklingError about Triton's Autotuner.run, or "cannot pickle 'module'".
+    with pydflash.Dispatcher(["cpu"], guard=()) as d:
+        target = d if what == "Dispatcher" else d.lanes[0]
+        with pytest.raises(
+            TypeError,
+            match=rf"^a pydflash\.{what} cannot be pickled or copied: its lanes are native "
+            r"worker threads .*Make .* in the process that uses it \(in a child, once it has "
+            r"started\)",
+        ):
+            how(target)
+
+
+def test_a_spawned_process_given_a_dispatcher_gets_the_type_error():
+    ctx = multiprocessing.get_context("spawn")
+    with (
+        pydflash.Dispatcher(["cpu"], guard=()) as d,
+        pytest.raises(TypeError, match=r"^a pydflash\.Dispatcher cannot be pickled"),
+    ):
+        ctx.Process(target=print, args=(d,)).start()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("a", "b"), r"^expected index as an int, got str$"),
+        ((0, "cpu"), r"^expected device as a CUDA ordinal \(int\) or -1 for the CPU, got str$"),
+        ((True, -1), r"^expected index as an int, got bool$"),
+    ],
+)
+def test_a_lane_of_the_wrong_types_is_a_type_error(args, message):
+    with pytest.raises(TypeError, match=message):
+        pydflash.Lane(*args)
+
+
+def test_set_tracing_of_the_wrong_type_is_a_type_error():
+    with pydflash.Dispatcher(["cpu"], guard=()) as d:
+        with pytest.raises(TypeError, match=r"^expected on=True or False, got str$"):
+            d.lanes[0].set_tracing("x")
+        with pytest.raises(TypeError, match=r"^expected on=True or False, got int$"):
+            d.set_tracing(1)

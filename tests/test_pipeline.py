@@ -634,6 +634,7 @@ def test_one_module_or_optimizer_given_for_two_replicas_is_refused(lanes):
     [
         ({"accumulate": 0}, ValueError, "expected accumulate >= 1, got 0"),
         ({"accumulate": 1.5}, TypeError, "expected accumulate to be an int, got float"),
+        ({"accumulate": 10**30}, ValueError, f"expected accumulate <= {2**63 - 1}, got 1000"),
         ({"depth": 0}, ValueError, "expected depth >= 1, got 0"),
         ({"clip_grad_norm": -1.0}, ValueError, "expected clip_grad_norm > 0 or None"),
         ({"loss": 3}, TypeError, "expected a callable loss"),

@@ -266,6 +266,16 @@ def test_a_task_failure_reaches_the_caller(cpu_lane):
         TargetGraphs(broken).submit(cpu_lane, ids_batch(1, 4)).result()
 
 
+def test_a_nested_batch_is_a_type_error(cpu_lane):
+    # Issue 35: torch's "Internal error" from reading a nested tensor's shape.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.nested says it is a prototype
+        nested = torch.nested.nested_tensor([torch.ones(3, dtype=torch.long)] * 2)
+    target = TargetGraphs(CausalToy(), lengths=(16,), batch_sizes=(4,))
+    with pytest.raises(TypeError, match=r"^expected a batch of dense .*got a nested tensor"):
+        target.submit(cpu_lane, {"input_ids": nested}).result(10)
+
+
 def test_release_of_a_cpu_result_is_a_no_op(cpu_lane):
     target = TargetGraphs(CausalToy())
     out = target.submit(cpu_lane, ids_batch(1, 4)).result()

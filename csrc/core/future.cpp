@@ -1,13 +1,13 @@
 #include "core/future.h"
 
 #include <chrono>
-#include <thread>
 
 #include "core/clock.h"
 #include "core/device_quiet.h"
 #include "core/error.h"
 #include "core/event_pool.h"
 #include "core/fork.h"
+#include "core/spin.h"
 
 namespace pydflash {
 
@@ -83,12 +83,9 @@ bool FutureState::wait(double timeout_s, int64_t spin_ns, int64_t slice_ns,
   const int64_t start = now_ns();
   const bool forever = timeout_s < 0;
   const int64_t deadline = forever ? INT64_MAX : deadline_after(start, timeout_s);
-  const int64_t spin_until = std::min(deadline, start + spin_ns);
-  bool got = false;
-  while (!got && now_ns() < spin_until) {
-    got = published();
-    if (!got) std::this_thread::yield();
-  }
+  // Note [Polling only on a free core] (core/spin.h).
+  bool got =
+      poll_while_cores_free(std::min(deadline, start + spin_ns), [&] { return published(); });
   while (!got) {
     const int64_t now = now_ns();
     if (now >= deadline) return false;
@@ -103,10 +100,10 @@ bool FutureState::wait(double timeout_s, int64_t spin_ns, int64_t slice_ns,
     if (!got && interrupted && interrupted()) return false;
   }
   // Note [Finish, then publish]: give the producer a moment to let the interpreter go.
-  if (producer_in_interpreter_ != nullptr) {
-    const int64_t until = now_ns() + spin_ns;
-    while (producer_in_interpreter_->load(std::memory_order_acquire) && now_ns() < until)
-      std::this_thread::yield();
+  if (producer_in_interpreter_ != nullptr && spin_ns > 0) {
+    poll_while_cores_free(now_ns() + spin_ns, [&] {
+      return !producer_in_interpreter_->load(std::memory_order_acquire);
+    });
   }
   return true;
 }

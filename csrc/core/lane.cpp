@@ -84,6 +84,8 @@ bool Lane::calling_worker_stream_busy() {
   return worker_lane != nullptr && worker_lane->stream_busy();
 }
 
+bool Lane::on_a_worker() { return worker_lane != nullptr; }
+
 int64_t spin_ns_from_us(double spin_us) {
   PYDFLASH_CHECK_VALUE(spin_us >= 0 && spin_us <= kMaxSpinUs, "expected spin_us in [0, ",
                        kMaxSpinUs, "] (microseconds), got ", spin_us);

@@ -155,6 +155,8 @@ class Lane : public std::enable_shared_from_this<Lane> {
   bool stream_busy() const;
   /// stream_busy() of the lane whose worker calls it; false on any other thread.
   static bool calling_worker_stream_busy();
+  /// Whether the calling thread is a lane's worker.
+  static bool on_a_worker();
 
   /// Tasks submitted so far (a hint: relaxed).
   uint64_t submitted() const { return submitted_.load(std::memory_order_relaxed); }

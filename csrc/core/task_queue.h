@@ -1,5 +1,6 @@
 // A FIFO of tasks for one lane worker: many producers, one consumer. The consumer
-// polls briefly before sleeping, and producers skip the wake-up syscall while it polls.
+// polls briefly before sleeping while a core is free for it, and producers skip the
+// wake-up syscall while it polls.
 #pragma once
 
 #include <atomic>
@@ -7,10 +8,10 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
-#include <thread>
 #include <vector>
 
 #include "core/clock.h"
+#include "core/spin.h"
 
 namespace pydflash {
 
@@ -57,11 +58,14 @@ class TaskQueue {
   bool pop_wait(T& out, int64_t spin_ns, StopFn stop, bool* slept = nullptr) {
     if (slept != nullptr) *slept = false;
     consumer_waiting_.store(true, std::memory_order_relaxed);
-    const int64_t spin_until = now_ns() + spin_ns;
-    while (now_ns() < spin_until && !closed_.load(std::memory_order_relaxed)) {
-      if (try_pop(out)) return true;
-      std::this_thread::yield();
+    // Note [Polling only on a free core] (core/spin.h).
+    bool got = false;
+    if (spin_ns > 0) {
+      poll_while_cores_free(now_ns() + spin_ns, [&] {
+        return (got = try_pop(out)) || closed_.load(std::memory_order_relaxed);
+      });
     }
+    if (got) return true;
     if (slept != nullptr) *slept = true;
     std::unique_lock<std::mutex> lock(mutex_);
     sleeping_.store(true, std::memory_order_relaxed);

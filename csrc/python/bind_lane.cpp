@@ -86,9 +86,11 @@ void add_stream_op_types(py::module_& m) {
   stream_op_type = op_type.release().ptr();  // kept for the module's life
 }
 
-// Queues fn(*args, **kwargs) on a lane; args[0] is fn. Returns a new reference.
-PyObject* submit_to(PyLane& l, PyObject* owner, PyObject* const* args, Py_ssize_t nargs,
-                    PyObject* kwnames) {
+// Queues fn(*args, **kwargs) on a lane; args[0] is fn. `owner` is the future's lane (a
+// weak reference to it), `hold` what the task keeps until it has run. Returns a new
+// reference.
+PyObject* submit_to(PyLane& l, PyObject* owner, PyObject* hold, PyObject* const* args,
+                    Py_ssize_t nargs, PyObject* kwnames) {
   try {
     PyObject* fn = args[0];
     PYDFLASH_CHECK_TYPE(PyCallable_Check(fn), "expected a callable, got ", Py_TYPE(fn)->tp_name);
@@ -107,7 +109,7 @@ PyObject* submit_to(PyLane& l, PyObject* owner, PyObject* const* args, Py_ssize_
     l.lane->submit(state_of(future.ptr()),
                    make_python_task(*l.rt, py::reinterpret_borrow<py::object>(fn),
                                     std::move(call_args), std::move(kwargs), future,
-                                    l.lane->tracing()));
+                                    py::reinterpret_borrow<py::object>(hold), l.lane->tracing()));
     return future.release().ptr();
   } catch (...) {
     set_python_error(std::current_exception());
@@ -135,12 +137,17 @@ Py_ssize_t least_busy(const std::vector<PyLane*>& lanes, bool open_only) {
 // Dispatcher.submit (the least busy of several), built once per lane or dispatcher. A
 // vectorcall object that holds its lanes' native pointers, so a submit runs no Python
 // frame, no argument re-packing and no pybind11 cast.
+//
+// It keeps its lanes open (Note [Lanes open while held], pydflash/lanes/lane.py) through
+// `hold`, which each task keeps until it has run, and refers to the pydflash.Lane objects
+// only weakly: a lane's own submitter is an attribute of that lane.
 struct Submitter {
   PyObject_HEAD
   vectorcallfunc vectorcall;
   PyObject* natives;  // tuple of _C.Lane, kept alive for `lanes`
-  PyObject* owners;   // tuple of pydflash.Lane, one per native lane: the futures' lane
+  PyObject* owners;   // tuple of weak references to pydflash.Lane: the futures' lane
   PyObject* name;     // str: what a submit after shutdown names (the Dispatcher or lane)
+  PyObject* hold;     // what keeps the lanes open, or None
   std::vector<PyLane*> lanes;
 };
 
@@ -156,7 +163,7 @@ PyObject* submit_with(PyObject* self, PyObject* const* args, size_t nargsf, PyOb
     return nullptr;
   }
   auto submit_at = [&](Py_ssize_t i) {
-    return submit_to(*s->lanes[i], PyTuple_GET_ITEM(s->owners, i), args, nargs, kwnames);
+    return submit_to(*s->lanes[i], PyTuple_GET_ITEM(s->owners, i), s->hold, args, nargs, kwnames);
   };
   const Py_ssize_t best = s->lanes.size() == 1 ? 0 : least_busy(s->lanes, /*open_only=*/false);
   PyObject* future = submit_at(best);
@@ -171,12 +178,14 @@ PyObject* submit_with(PyObject* self, PyObject* const* args, size_t nargsf, PyOb
 }
 
 PyObject* submitter_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  PyObject *owners, *name;
-  static const char* names[] = {"lanes", "name", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!U:Submitter", const_cast<char**>(names),
-                                   &PyTuple_Type, &owners, &name))
+  PyObject *lanes_arg, *name, *hold = Py_None;
+  static const char* names[] = {"lanes", "name", "hold", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!U|O:Submitter", const_cast<char**>(names),
+                                   &PyTuple_Type, &lanes_arg, &name, &hold))
     return nullptr;
-  const Py_ssize_t count = PyTuple_GET_SIZE(owners);
+  const py::tuple owners_tuple(PyTuple_GET_SIZE(lanes_arg));
+  PyObject* owners = owners_tuple.ptr();
+  const Py_ssize_t count = PyTuple_GET_SIZE(lanes_arg);
   if (count == 0) {
     PyErr_SetString(PyExc_ValueError, "expected at least one lane, got none");
     return nullptr;
@@ -185,12 +194,15 @@ PyObject* submitter_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   std::vector<PyLane*> lanes;
   try {
     for (Py_ssize_t i = 0; i < count; ++i) {
-      py::handle owner = PyTuple_GET_ITEM(owners, i);
+      py::handle owner = PyTuple_GET_ITEM(lanes_arg, i);
       py::object native = py::getattr(owner, "_native", py::none());
       PYDFLASH_CHECK_TYPE(py::isinstance<PyLane>(native), "expected pydflash.Lane objects, got ",
                           Py_TYPE(owner.ptr())->tp_name);
       lanes.push_back(&native.cast<PyLane&>());
       natives[i] = std::move(native);
+      PyObject* ref = PyWeakref_NewRef(owner.ptr(), nullptr);
+      if (ref == nullptr) throw py::error_already_set();
+      PyTuple_SET_ITEM(owners, i, ref);
     }
   } catch (...) {
     set_python_error(std::current_exception());
@@ -205,6 +217,8 @@ PyObject* submitter_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   s->owners = owners;
   Py_INCREF(name);
   s->name = name;
+  Py_INCREF(hold);
+  s->hold = hold;
   return reinterpret_cast<PyObject*>(s);
 }
 
@@ -212,6 +226,7 @@ int submitter_traverse(PyObject* self, visitproc visit, void* arg) {
   auto* s = reinterpret_cast<Submitter*>(self);
   Py_VISIT(s->natives);
   Py_VISIT(s->owners);
+  Py_VISIT(s->hold);
   return 0;
 }
 
@@ -221,6 +236,7 @@ int submitter_clear(PyObject* self) {
   Py_CLEAR(s->natives);
   Py_CLEAR(s->owners);
   Py_CLEAR(s->name);
+  Py_CLEAR(s->hold);
   return 0;
 }
 
@@ -238,8 +254,9 @@ void add_submitter_type(PyObject* module) {
   SubmitterType.tp_basicsize = sizeof(Submitter);
   SubmitterType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL;
   SubmitterType.tp_doc =
-      "Submitter(lanes, name)(fn, /, *args, **kwargs) -> Future: queues fn on the lane (or, "
-      "with several, the least busy open lane); after shutdown the error names `name`.";
+      "Submitter(lanes, name, hold=None)(fn, /, *args, **kwargs) -> Future: queues fn on the "
+      "lane (or, with several, the least busy open lane); after shutdown the error names "
+      "`name`. It and each task it queues keep `hold` alive.";
   SubmitterType.tp_new = submitter_new;
   SubmitterType.tp_dealloc = submitter_dealloc;
   SubmitterType.tp_traverse = submitter_traverse;

@@ -38,13 +38,15 @@ inline constexpr EntryPoint kCallInTorchState{"pydflash.lanes._torch_state", "ca
 inline constexpr EntryPoint kInitThread{"pydflash.lanes._lane_runtime", "init_thread"};
 // pydflash.Future, the Python subclass of _C.FutureBase (future_object.cpp).
 inline constexpr EntryPoint kFutureInvoke{"pydflash.lanes._future", "Future._invoke"};
+inline constexpr EntryPoint kFutureInvokeOnLane{"pydflash.lanes._future", "Future._invoke_on_lane"};
 inline constexpr EntryPoint kFutureRaiseFailure{"pydflash.lanes._future", "Future._raise_failure"};
 // The lane a future names in its errors (future_object.cpp).
 inline constexpr EntryPoint kLaneLabel{"pydflash.lanes.lane", "Lane.label"};
 
 inline constexpr EntryPoint kAll[] = {
-    kInputFailedError, kCompileQueueTimeout, kCudaError,    kInternalError,      kCaptureTorchState,
-    kCallInTorchState, kInitThread,          kFutureInvoke, kFutureRaiseFailure, kLaneLabel,
+    kInputFailedError,   kCompileQueueTimeout, kCudaError,  kInternalError,
+    kCaptureTorchState,  kCallInTorchState,    kInitThread, kFutureInvoke,
+    kFutureInvokeOnLane, kFutureRaiseFailure,  kLaneLabel,
 };
 
 }  // namespace entry

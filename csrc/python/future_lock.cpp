@@ -7,9 +7,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
-#include <thread>
 
 #include "core/clock.h"
+#include "core/spin.h"
 #include "python/future_object.h"
 #include "python/gil.h"
 #include "python/lane_runtime.h"
@@ -39,13 +39,25 @@ std::condition_variable contended_cv;
 // threading.Event, and a worker that has tasks queued gets the GIL only then, after a
 // waiter has been installed on every future; each then costs a notification and a
 // removal. A thread taking its first FutureLock (it holds none) while a worker waits to
-// enter, or while the lock's future has not started, therefore lets the GIL go until the
-// worker has it and the future has started (at most kHandOverNs), then asks for it
-// back. The worker runs its queue first and lets the GIL go once the queue is empty, or
-// earlier when CPython's switch interval says so, as with any call that lets the GIL go;
-// the wait then finds those futures done and returns without waiters.
+// enter, or while the lock's future has not started (its worker may be waking for it),
+// therefore lets the GIL go until the worker has it and the future has started (at most
+// kHandOverNs), then asks for it back. The worker runs its queue first and lets the GIL
+// go once the queue is empty, or earlier when CPython's switch interval says so, as
+// with any call that lets the GIL go; the wait then finds those futures done and
+// returns without waiters.
+//
+// A pending future's worker may be busy with a long task instead: then the hand-over
+// gains nothing, and it cost every take of such a future's condition 20 µs, a wait over
+// a million pending futures 20 s past its timeout (issue 35). So once a hand-over for a
+// pending future ends with the future still pending, this thread hands over for pending
+// futures no more for kFruitlessNs (a worker that wants the GIL still gets it).
+// Future.add_done_callback takes the lock without a hand-over (lock_future_lock, from
+// future_object.cpp): handing over there let the task finish first, and the callback ran
+// on the caller instead of on the thread that completes the future.
 constexpr int64_t kHandOverNs = 20'000;
+constexpr int64_t kFruitlessNs = 10'000'000;
 thread_local int held_from_python = 0;  // FutureLocks this thread took from Python
+thread_local int64_t pending_hand_overs_after_ns = 0;
 
 bool not_started(PyObject* future) {
   return future != nullptr && as_future(future)->state().status() == FutureStatus::Pending;
@@ -53,14 +65,21 @@ bool not_started(PyObject* future) {
 
 void hand_over_to_waiting_worker(FutureLock* l) {
   if (held_from_python != 0) return;
-  if (!WaitingWithoutGil::workers_entering() && !not_started(l->future)) return;
+  const bool for_pending = now_ns() >= pending_hand_overs_after_ns && not_started(l->future);
+  if (!for_pending && !WaitingWithoutGil::workers_entering()) return;
   PyObject* future = Py_XNewRef(l->future);  // kept while the GIL is let go
-  without_gil([&] {
+  const bool fruitless = without_gil([&] {
     WaitingWithoutGil waiting;  // the worker's poll ends at once
+    // Yielding even when no core is free (Note [Polling only on a free core]): the
+    // yield is what lets a worker that shares this core take the GIL, and it comes at
+    // most once per wait and kFruitlessNs, not once per future.
     const int64_t until = now_ns() + kHandOverNs;
-    while ((WaitingWithoutGil::workers_entering() || not_started(future)) && now_ns() < until)
-      std::this_thread::yield();
+    while ((WaitingWithoutGil::workers_entering() || (for_pending && not_started(future))) &&
+           now_ns() < until)
+      yield_core();
+    return for_pending && not_started(future);
   });
+  if (fruitless) pending_hand_overs_after_ns = now_ns() + kFruitlessNs;
   Py_XDECREF(future);
 }
 

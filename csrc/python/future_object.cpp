@@ -31,6 +31,7 @@ PyObject* state_names[4];
 PyObject* unsettled_names[4];
 
 PyObject* str_invoke;
+PyObject* str_invoke_on_lane;
 
 FutureObject* self_of(PyObject* self) { return reinterpret_cast<FutureObject*>(self); }
 
@@ -75,9 +76,11 @@ PyObject* no_new(PyTypeObject*, PyObject*, PyObject*) {
 bool orphaned_by_fork(FutureObject* f) {
   if (!f->state().made_before_fork()) return false;
   try {
+    py::handle lane = PyWeakref_GetObject(f->lane);  // borrowed; None once it is gone
     const std::string message =
         "this future's task was queued on pydflash " +
-        py::handle(f->lane).attr(entry::kLaneLabel.attr()).cast<std::string>() +
+        (lane.is_none() ? std::string("a lane")
+                        : lane.attr(entry::kLaneLabel.attr()).cast<std::string>()) +
         " before a fork and cannot finish in the forked child (pid " + std::to_string(getpid()) +
         "); create a new Dispatcher in the child";
     PyErr_SetString(PyExc_RuntimeError, message.c_str());
@@ -167,6 +170,31 @@ PyObject* get_condition(PyObject* self, void*) {
   return f->cond;
 }
 
+// Future.add_done_callback's locked part: appends `fn` to a future not yet done and
+// returns True; returns False for a done one, whose caller runs `fn` itself, as the
+// stdlib's does. The condition is taken without a hand-over to a waiting worker (Note
+// [Handing the GIL to a waiting worker], future_lock.cpp): a callback added to a
+// pending future runs on the thread that completes it.
+PyObject* add_callback(PyObject* self, PyObject* fn) {
+  auto* f = self_of(self);
+  PyObject* cond = get_condition(self, nullptr);  // marks the future observed
+  if (cond == nullptr) return nullptr;
+  if (lock_future_lock(cond, -1.0) != 1) {
+    Py_DECREF(cond);
+    return nullptr;
+  }
+  bool added = false, failed = false;
+  if (!f->state().done()) {
+    failed = (f->callbacks == nullptr && (f->callbacks = PyList_New(0)) == nullptr) ||
+             PyList_Append(f->callbacks, fn) < 0;
+    added = !failed;
+  }
+  const bool unlocked = unlock_future_lock(cond);
+  Py_DECREF(cond);
+  if (failed || !unlocked) return nullptr;
+  return PyBool_FromLong(added);
+}
+
 PyObject* get_state(PyObject* self, void*) {
   const FutureState& state = self_of(self)->state();
   // Settled first: a status read after it is at least as new.
@@ -219,6 +247,8 @@ PyMethodDef methods[] = {
     {"running", running, METH_NOARGS, nullptr},
     {"cancel", cancel, METH_NOARGS,
      "Cancels the task if it has not started; True when it is cancelled."},
+    {"_add_callback", add_callback, METH_O,
+     "Adds a done callback to a future not yet done (True); False when it is done."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyGetSetDef getset[] = {
@@ -276,8 +306,11 @@ void notify_future(PyObject* obj) {
   }
   if (!unlock_future_lock(cond)) PyErr_WriteUnraisable(obj);
   Py_DECREF(cond);
+  // On a lane's worker a callback's every exception is logged (_invoke_on_lane), as a
+  // ThreadPoolExecutor worker logs what escapes it; elsewhere (a cancel) as the stdlib's.
+  PyObject* invoke = Lane::on_a_worker() ? str_invoke_on_lane : str_invoke;
   for (Py_ssize_t i = 0; callbacks != nullptr && i < PyList_GET_SIZE(callbacks); ++i) {
-    PyObject* r = PyObject_CallMethodOneArg(obj, str_invoke, PyList_GET_ITEM(callbacks, i));
+    PyObject* r = PyObject_CallMethodOneArg(obj, invoke, PyList_GET_ITEM(callbacks, i));
     if (r == nullptr) PyErr_WriteUnraisable(obj);
     Py_XDECREF(r);
   }
@@ -322,8 +355,13 @@ PyObject* new_future(PyObject* type, uint64_t id, PyObject* lane) {
   if (obj == nullptr) return nullptr;
   auto* f = self_of(obj);
   new (f->state_storage) FutureState(id);
-  Py_INCREF(lane);
-  f->lane = lane;
+  // A weak reference (the lane's shared one: no allocation once it exists), so that a
+  // future does not keep its lanes open (Note [Lanes open while held], pydflash/lanes/lane.py).
+  f->lane = PyWeakref_CheckRef(lane) ? Py_NewRef(lane) : PyWeakref_NewRef(lane, nullptr);
+  if (f->lane == nullptr) {
+    Py_DECREF(obj);
+    return nullptr;
+  }
   return obj;
 }
 
@@ -341,6 +379,7 @@ void add_future_type(PyObject* module) {
   Py_DECREF(base);
   add_future_lock_type(module);
   str_invoke = PyUnicode_InternFromString(entry::kFutureInvoke.attr());
+  str_invoke_on_lane = PyUnicode_InternFromString(entry::kFutureInvokeOnLane.attr());
   init_stdlib_waiters();
 
   FutureBaseType.tp_name = "pydflash._C.FutureBase";

@@ -16,7 +16,7 @@ struct FutureObject {
   PyObject_HEAD
   PyObject* result;     // set by the worker
   PyObject* exception;  // set by the worker (with a note naming the lane)
-  PyObject* lane;       // the pydflash.Lane that runs it
+  PyObject* lane;       // a weak reference to the pydflash.Lane that runs it
   PyObject* cond;       // `_condition`: a _thread.RLock, made when first observed
   PyObject* waiters;    // list, made on first use (concurrent.futures.wait)
   PyObject* callbacks;  // list of done callbacks
@@ -31,7 +31,8 @@ struct FutureObject {
 /// Readies the type and adds it to the module as FutureBase.
 void add_future_type(PyObject* module);
 
-/// A new instance of `type` (a Python subclass of FutureBase) for the task `id` of `lane`.
+/// A new instance of `type` (a Python subclass of FutureBase) for the task `id` of `lane`
+/// (a pydflash.Lane or a weak reference to one).
 PyObject* new_future(PyObject* type, uint64_t id, PyObject* lane);
 
 /// The native state of a Python future, for a task that does not own it.

@@ -1,8 +1,7 @@
 #include "python/lane_runtime.h"
 
-#include <thread>
-
 #include "core/clock.h"
+#include "core/spin.h"
 #include "python/gil.h"
 
 namespace py = pybind11;
@@ -72,15 +71,17 @@ void LaneRuntime::enter() {
   const int64_t start = now_ns();
   int64_t last_active = start;
   uint64_t seen = activity();
-  while (!WaitingWithoutGil::any()) {
+  // Note [Polling only on a free core] (core/spin.h): poll_while_cores_free stops at once
+  // when none is free, and the worker blocks on the GIL, to be woken when it is let go.
+  poll_while_cores_free(start + kEnterPollNs, [&] {
+    if (WaitingWithoutGil::any()) return true;
     const int64_t now = now_ns();
     if (activity() != seen) {
       seen = activity();
       last_active = now;
     }
-    if (now - start >= kEnterPollNs || now - last_active >= kQuietNs) break;
-    std::this_thread::yield();
-  }
+    return now - last_active >= kQuietNs;
+  });
   restore_gil(tstate_);  // Note [Never retaking the GIL at exit]
   WaitingWithoutGil::worker_entering(-1);
 }

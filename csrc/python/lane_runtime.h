@@ -27,7 +27,9 @@ namespace pydflash::python {
 /// not count itself. A holder quiet for a moment may have let the GIL go that way, and
 /// polling on would leave the GIL idle: the worker polls at most kEnterPollNs, and stops
 /// once the GIL's holder has been quiet (no submit, no `_condition` taken) for kQuietNs
-/// (lane_runtime.cpp).
+/// (lane_runtime.cpp), and only while a core is free for it (Note [Polling only on a free
+/// core], core/spin.h): otherwise it blocks on the GIL at once, to be woken when it is
+/// let go.
 class WaitingWithoutGil {
  public:
   WaitingWithoutGil() { count().fetch_add(1, std::memory_order_relaxed); }

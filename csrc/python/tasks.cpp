@@ -51,12 +51,13 @@ bool holds_no_gpu_memory(PyObject* result) {
 class PythonTask final : public TaskBody {
  public:
   PythonTask(LaneRuntime& rt, py::object fn, py::tuple args, py::object kwargs, py::object future,
-             TorchSnapshot torch, std::string label)
+             py::object hold, TorchSnapshot torch, std::string label)
       : rt_(rt),
         fn_(std::move(fn)),
         args_(std::move(args)),
         kwargs_(std::move(kwargs)),
         future_(std::move(future)),
+        hold_(std::move(hold)),
         torch_(std::move(torch)),
         label_(std::move(label)) {}
 
@@ -123,6 +124,7 @@ class PythonTask final : public TaskBody {
   py::tuple args_;
   py::object kwargs_;
   py::object future_;
+  py::object hold_;  // keeps the lanes open until the task has run (pydflash/lanes/lane.py)
   TorchSnapshot torch_;
   std::string label_;
 };
@@ -342,7 +344,8 @@ py::object make_python_future(LaneRuntime& rt, uint64_t id, py::handle lane) {
 }
 
 std::unique_ptr<TaskBody> make_python_task(LaneRuntime& rt, py::object fn, py::tuple args,
-                                           py::object kwargs, py::object future, bool tracing) {
+                                           py::object kwargs, py::object future, py::object hold,
+                                           bool tracing) {
   std::string label;
   if (tracing) {
     py::object name = py::getattr(fn, "__qualname__", py::none());
@@ -350,7 +353,7 @@ std::unique_ptr<TaskBody> make_python_task(LaneRuntime& rt, py::object fn, py::t
                            : name.cast<std::string>();
   }
   return std::make_unique<PythonTask>(rt, std::move(fn), std::move(args), std::move(kwargs),
-                                      std::move(future), TorchSnapshot::capture(),
+                                      std::move(future), std::move(hold), TorchSnapshot::capture(),
                                       std::move(label));
 }
 

@@ -15,7 +15,8 @@
 
 namespace pydflash::python {
 
-/// Creates the Python future for task `id` of `lane` (the future type's constructor).
+/// Creates the Python future for task `id` of `lane` (a pydflash.Lane, or a weak
+/// reference to one: the future keeps only that).
 pybind11::object make_python_future(LaneRuntime& rt, uint64_t id, pybind11::handle lane);
 
 // Task bodies refer to their lane's runtime without owning it: the lane owns it and
@@ -23,9 +24,12 @@ pybind11::object make_python_future(LaneRuntime& rt, uint64_t id, pybind11::hand
 // line shared by the submitting thread and the worker.
 
 /// fn(*args, **kwargs) (kwargs may be None), under the torch state read now. Entered.
+/// `hold` (or None) lives until the task has run: Note [Lanes open while held] in
+/// pydflash/lanes/lane.py.
 std::unique_ptr<TaskBody> make_python_task(LaneRuntime& rt, pybind11::object fn,
                                            pybind11::tuple args, pybind11::object kwargs,
-                                           pybind11::object future, bool tracing);
+                                           pybind11::object future, pybind11::object hold,
+                                           bool tracing);
 
 /// Launches `graph_exec` (a cudaGraphExec_t); `keepalive` lives until the GPU is done.
 std::unique_ptr<TaskBody> make_graph_task(LaneRuntime& rt, uintptr_t graph_exec,

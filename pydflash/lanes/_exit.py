@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .lane import Lane
@@ -24,22 +24,24 @@ EXIT_TIMEOUT_S = float(os.environ.get("PYDFLASH_EXIT_TIMEOUT", "30"))
 _POLL_S = 0.05  # how often the wait looks for progress; Ctrl-C is seen this soon
 
 # Every lane whose worker may still run, also once its dispatcher is gone: a dropped
-# dispatcher's queue still runs. A lane is forgotten once its worker has exited.
-_lanes: dict[Lane, None] = {}  # in the order they were made
+# dispatcher's queue still runs. A lane is forgotten once its worker has exited. Kept
+# as the native lane (_C.Lane) with its dispatcher's name: holding the pydflash.Lane
+# would keep it open (Note [Lanes open while held], pydflash/lanes/lane.py).
+_lanes: dict[Any, str] = {}  # native lane -> owner, in the order they were made
 
 
 def track(lanes: Iterable[Lane]) -> None:
-    for lane in list(_lanes):
-        if lane.exited or lane.forked:
-            del _lanes[lane]
-    _lanes.update(dict.fromkeys(lanes))
+    for native in list(_lanes):
+        if native.exited or native.forked:
+            del _lanes[native]
+    _lanes.update((lane._native, lane.owner) for lane in lanes)
 
 
 class _Progress:
     """A closed lane finishing its queue; stuck once no task of it has ended for
-    EXIT_TIMEOUT_S."""
+    EXIT_TIMEOUT_S. `lane` is a native lane (_C.Lane)."""
 
-    def __init__(self, lane: Lane, name: str) -> None:
+    def __init__(self, lane: Any, name: str) -> None:
         self.lane = lane
         self.name = name
         self.left = lane.load()
@@ -61,7 +63,7 @@ class _Progress:
         if self.done:
             return
         self.abandoned = True
-        cancelled = self.lane.close(cancel_futures=True)
+        cancelled = self.lane.shutdown(True)
         running = self.lane.load()  # what is left once the queue is cancelled
         if running or cancelled:
             _say(
@@ -85,12 +87,12 @@ def _after_ctrl_c() -> bool:
     return isinstance(last, KeyboardInterrupt)
 
 
-def _names(lanes: list[Lane]) -> list[str]:
-    """Each lane as exit messages name it: its label, and its dispatcher when the lanes
-    belong to more than one."""
-    if len({lane.owner for lane in lanes}) <= 1:
+def _names(lanes: list[Any]) -> list[str]:
+    """Each native lane as exit messages name it: its label, and its dispatcher when the
+    lanes belong to more than one."""
+    if len({_lanes[lane] for lane in lanes}) <= 1:
         return [lane.label for lane in lanes]
-    return [f"{lane.label} of {lane.owner or 'a lane made alone'}" for lane in lanes]
+    return [f"{lane.label} of {_lanes[lane] or 'a lane made alone'}" for lane in lanes]
 
 
 def _say_waiting(busy: list[_Progress]) -> None:
@@ -110,7 +112,7 @@ def _finish_at_exit() -> None:
     busy = [_Progress(lane, name) for lane, name in zip(lanes, _names(lanes), strict=True)]
     try:
         for progress in busy:
-            progress.lane.close()  # no new work; what is queued runs
+            progress.lane.shutdown(False)  # no new work; what is queued runs
         busy = [p for p in busy if not p.done]
         if busy and _after_ctrl_c():
             _say_waiting(busy)

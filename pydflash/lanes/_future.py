@@ -32,9 +32,19 @@ class Future(C.FutureBase, concurrent.futures.Future):
 
     # --- what the C half calls --------------------------------------------------------
     def _invoke(self, callback: Callable[[Future], Any]) -> None:
+        # On the caller's thread (added when done, or a cancel): as the stdlib's Future.
         try:
             callback(self)
         except Exception:  # noqa: BLE001 - logged and swallowed, as the stdlib's Future does
+            _base.LOGGER.exception("exception calling callback for %r", self)
+
+    def _invoke_on_lane(self, callback: Callable[[Future], Any]) -> None:
+        # On the lane's worker, which completed the future: whatever the callback raises,
+        # SystemExit included, is logged and the lane goes on. A ThreadPoolExecutor
+        # worker likewise logs what escapes its callbacks, and the process goes on.
+        try:
+            callback(self)
+        except BaseException:  # noqa: BLE001 - nothing may end the lane's worker
             _base.LOGGER.exception("exception calling callback for %r", self)
 
     def _failure(self) -> BaseException | None:
@@ -55,9 +65,10 @@ class Future(C.FutureBase, concurrent.futures.Future):
 
     # --- the public Future API (result, done, cancelled, running, cancel are C) ------
     @property
-    def lane(self) -> Lane:
-        """The lane that runs the task."""
-        return self._lane
+    def lane(self) -> Lane | None:
+        """The lane that runs the task; None once nothing else holds that lane (a future
+        does not keep its lanes open: Note [Lanes open while held] in pydflash/lanes/lane.py)."""
+        return self._lane()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if not self._wait(timeout):
@@ -67,13 +78,10 @@ class Future(C.FutureBase, concurrent.futures.Future):
         return self._failure()
 
     def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
-        with self._condition:
-            if not self.done():
-                if self._callbacks is None:
-                    self._callbacks = []
-                self._callbacks.append(fn)
-                return
-        self._invoke(fn)
+        """As the stdlib's: `fn(future)` runs on the thread that completes the future (its
+        lane's worker, or the thread that cancels it), or here at once when it is done."""
+        if not self._add_callback(fn):
+            self._invoke(fn)
 
     # Futures complete on their lane, never by hand.
     def set_running_or_notify_cancel(self) -> bool:

@@ -8,16 +8,22 @@ import operator
 import os
 import sys
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 from .. import guards
 from .._native import C
 from . import _exit
 from ._future import Future
 from .devices import describe, parse_device, parse_devices
-from .lane import DEFAULT_SPIN_US, Lane, check_cancel_futures, check_spin_us
+from .lane import (
+    DEFAULT_SPIN_US,
+    Lane,
+    LanesHold,
+    check_cancel_futures,
+    check_spin_us,
+    refuse_copy,
+)
 
 _numbers = itertools.count(1)  # dispatchers made in this process, as exit messages name them
 
@@ -78,7 +84,9 @@ class Dispatcher(concurrent.futures.Executor):
                 names = ()
         # Before any lane exists: an unsupported Triton raises with nothing to clean up.
         self._guard = guards.guard(names, missing_ok=True) if names else None
-        self._lanes = [Lane(i, d, spin_us=spin_us) for i, d in enumerate(parsed)]
+        # Note [Lanes open while held]: they close once nothing holds self._hold.
+        self._hold = LanesHold()
+        self._lanes = [Lane(i, d, spin_us=spin_us, hold=self._hold) for i, d in enumerate(parsed)]
         caller = sys._getframe(1)
         self.name = (
             f"dispatcher {next(_numbers)} (made at "
@@ -90,10 +98,8 @@ class Dispatcher(concurrent.futures.Executor):
             self.set_tracing(True)
         # The hot path: a native callable picks the least-busy lane
         # (csrc/python/bind_lane.cpp). Built once; it shadows the method below.
-        self.submit = self._submitter = C.Submitter(tuple(self._lanes), repr(self))
+        self.submit = self._submitter = C.Submitter(tuple(self._lanes), repr(self), self._hold)
         _exit.track(self._lanes)  # queued work runs before the interpreter exits
-        # Dropped without shutdown: let queued work finish, then let the workers go.
-        weakref.finalize(self, _shutdown_lanes, list(self._lanes), False, False)
 
     # --- lanes ------------------------------------------------------------------------
     @property
@@ -195,6 +201,13 @@ class Dispatcher(concurrent.futures.Executor):
         from ..trace import export
 
         return export(self._lanes, path)
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        refuse_copy(
+            "Dispatcher",
+            "Make one in the process that uses it (in a child, once it has started), from "
+            "the same devices.",
+        )
 
     def __repr__(self) -> str:
         devices = ", ".join(lane.device for lane in self._lanes)

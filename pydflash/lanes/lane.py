@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import numbers
+import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from .._native import C
 from ._future import Future
@@ -35,6 +36,42 @@ def check_cancel_futures(cancel_futures: Any) -> bool:
     return cancel_futures
 
 
+def refuse_copy(what: str, instead: str) -> NoReturn:
+    """The TypeError for pickling or copying a Lane or a Dispatcher."""
+    raise TypeError(
+        f"a pydflash.{what} cannot be pickled or copied: its lanes are native worker threads "
+        f"(and CUDA streams) of the process that made it. {instead}"
+    )
+
+
+class LanesHold:
+    """Note [Lanes open while held]: lanes close (what is queued still runs) once nothing
+    that can submit to them is left: their Dispatcher, its submit, any of its Lanes and
+    their submit, and each task queued and not yet run. Each of those holds the lanes'
+    one LanesHold, which refers to nothing of theirs (its finalizer has the native lanes),
+    so no reference cycle keeps it, and it goes with the last holder, closing the lanes.
+    A future refers to its lane weakly: as a stdlib future does not keep its executor
+    running, a future does not keep its lanes open once its task has run. So a temporary
+    dispatcher works, `Dispatcher(devices=["cpu"]).submit(pow, 2, 5).result()` is 32, where
+    closing the lanes with the Dispatcher object closed them before the submit
+    (issue 35)."""
+
+    __slots__ = ("__weakref__", "_natives")
+
+    def __init__(self) -> None:
+        self._natives: list[Any] = []
+        weakref.finalize(self, _close_natives, self._natives)
+
+    def add(self, native: Any) -> None:
+        self._natives.append(native)
+
+
+def _close_natives(natives: list[Any]) -> None:
+    for native in natives:
+        if not native.forked:  # a forked child's lanes are the parent's
+            native.shutdown(False)
+
+
 class Lane(concurrent.futures.Executor):
     """Runs tasks in order on its own native thread. On a GPU lane the lane's device is
     current and its own CUDA stream is torch's current stream inside every task, and
@@ -46,18 +83,35 @@ class Lane(concurrent.futures.Executor):
         index: the lane's number in its dispatcher, as labels and traces show it.
         device: a CUDA ordinal, or -1 (pydflash.lanes.devices.CPU) for a CPU lane.
         spin_us: how long the idle worker polls its queue before it sleeps (0: never).
+        hold: the LanesHold the lane shares with the other lanes of its dispatcher; a lane
+            made alone has its own. The lane closes once nothing holds it.
     """
 
-    def __init__(self, index: int, device: int, *, spin_us: float = DEFAULT_SPIN_US) -> None:
+    def __init__(
+        self,
+        index: int,
+        device: int,
+        *,
+        spin_us: float = DEFAULT_SPIN_US,
+        hold: LanesHold | None = None,
+    ) -> None:
+        for name, value, what in (
+            ("index", index, "an int"),
+            ("device", device, f"a CUDA ordinal (int) or {CPU} for the CPU"),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"expected {name} as {what}, got {type(value).__name__}")
         spin_us = check_spin_us(spin_us)
         self._native = C.Lane(index, device, f"lane {index} ({describe(device)})", Future, spin_us)
         # Which dispatcher the lane is part of, as exit messages name it when several
         # dispatchers have lanes (set by Dispatcher).
         self.owner = ""
         self._torch_streams: tuple[Any, Any] | None = None
+        self._hold = LanesHold() if hold is None else hold  # Note [Lanes open while held]
+        self._hold.add(self._native)
         # The hot path: a native callable, no Python frame (csrc/python/bind_lane.cpp).
         # Built once; it shadows the method below.
-        self.submit = self._submitter = C.Submitter((self,), repr(self))
+        self.submit = self._submitter = C.Submitter((self,), repr(self), self._hold)
 
     # --- identity -------------------------------------------------------------------
     @property
@@ -181,6 +235,8 @@ class Lane(concurrent.futures.Executor):
     # --- traces -----------------------------------------------------------------------
     def set_tracing(self, on: bool) -> None:
         """Starts (dropping what was recorded) or stops recording a span per task."""
+        if not isinstance(on, bool):
+            raise TypeError(f"expected on=True or False, got {type(on).__name__}")
         self._native.set_tracing(on)
 
     def take_trace(self) -> list[tuple]:
@@ -206,6 +262,12 @@ class Lane(concurrent.futures.Executor):
 
     def stats(self) -> dict[str, Any]:
         return {"lane": self.index, "device": self.device, **self._native.stats()}
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        refuse_copy(
+            "Lane",
+            "Make a Dispatcher in the process that uses it (in a child, once it has started).",
+        )
 
     def __repr__(self) -> str:
         return f"<pydflash.Lane {self.index} on {self.device}>"

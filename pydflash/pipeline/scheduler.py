@@ -106,7 +106,8 @@ class Pipeline:
         ]
         for stage, lane in zip(self._targets, self._target_lanes, strict=True):
             stage.check_lane(lane)
-        self.accumulate = counted(accumulate, "accumulate")
+        # The loss is divided by it as a torch int64 scalar: larger is an OverflowError there.
+        self.accumulate = counted(accumulate, "accumulate", maximum=2**63 - 1)
         self.depth = counted(depth, "depth")
         if isinstance(drafter, DrafterStage):
             given = dict(loss=loss, optimizer=optimizer, scheduler=scheduler)

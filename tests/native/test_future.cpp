@@ -1,8 +1,15 @@
+#ifdef __linux__
+#include <pthread.h>
+#include <sched.h>
+#endif
+
 #include <atomic>
 #include <thread>
 #include <vector>
 
+#include "core/clock.h"
 #include "core/future.h"
+#include "core/spin.h"
 #include "core/task_queue.h"
 #include "harness.h"
 
@@ -113,4 +120,34 @@ TEST_CASE("queue: many producers, FIFO per producer, nothing lost") {
   CHECK(got == kProducers * kEach);
   q.close();
   CHECK(!q.push(1));
+}
+
+TEST_CASE("spin: a poll whose core is taken stops at once, and polls sleep for a while") {
+#ifdef __linux__
+  // Note [Polling only on a free core]: this thread and a busy one share one core, so
+  // the poll's first yield runs the busy thread for its time slice.
+  cpu_set_t before, one;
+  CHECK(pthread_getaffinity_np(pthread_self(), sizeof(before), &before) == 0);
+  CPU_ZERO(&one);
+  CPU_SET(sched_getcpu(), &one);
+  std::atomic<bool> spinning{false}, stop{false};
+  std::thread busy([&] {
+    pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
+    spinning.store(true);
+    while (!stop.load(std::memory_order_relaxed)) {
+    }
+  });
+  CHECK(pthread_setaffinity_np(pthread_self(), sizeof(one), &one) == 0);
+  while (!spinning.load()) std::this_thread::yield();
+  const int64_t start = now_ns();
+  const bool ready = poll_while_cores_free(start + 10'000'000'000, [] { return false; });
+  const int64_t polled = now_ns() - start;
+  const bool sleeping = !cores_free();
+  stop.store(true);
+  busy.join();
+  pthread_setaffinity_np(pthread_self(), sizeof(before), &before);
+  CHECK(!ready);
+  CHECK(polled < 5'000'000'000);  // at the first late yield, long before the deadline
+  CHECK(sleeping);                // the polls that follow sleep at once
+#endif
 }

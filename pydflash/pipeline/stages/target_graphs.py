@@ -288,6 +288,12 @@ class TargetGraphs(TargetStage):
         with torch.no_grad():
             batch = to_lane(batch, lane)
             leaves, spec = flatten(batch)
+            if any(isinstance(x, torch.Tensor) and x.is_nested for x in leaves):
+                raise TypeError(
+                    "expected a batch of dense [batch, length, ...] tensors, got a nested "
+                    "tensor (torch.nested): pad it first, e.g. "
+                    "torch.nested.to_padded_tensor(x, pad_value)"
+                )
             b, t = batch_shape(leaves)
             cache = self._graphs.lane(lane)
             bucket = self._graphs.bucket(b, t)
