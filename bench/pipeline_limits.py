@@ -194,7 +194,9 @@ def fresh(models: Models, drafter: Any, job: Job) -> Models:
     """The regime's target with a fresh copy of the untrained drafter and its optimizer."""
     d = copy.deepcopy(drafter)
     opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=job.lr)
-    return Models(models.targets, [d], [opt])
+    return Models(
+        models.targets, [d], [opt], [torch.optim.lr_scheduler.LambdaLR(opt, job.lr_factor)]
+    )
 
 
 def target_stage_cost(regime: Regime, models: Models, kind: str) -> dict[str, Any]:

@@ -219,7 +219,7 @@ def test_drafter_loss_is_the_plain_weighted_cross_entropy():
     features = target(ids)
     logits = drafter.predict(features, ids, anchors)
     labels = ids.gather(1, (anchors[:, :6, None] + torch.arange(1, 4)).view(2, -1)).view(2, 6, 3)
-    weights = SMALL.decay ** torch.arange(3.0)
+    weights = torch.exp(-torch.arange(3.0) / SMALL.gamma_)  # DFlash's decay, gamma 2.5 at block 4
     plain = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none")
     plain = (plain.view(2, 6, 3) * weights).sum() / (weights.sum() * 12)
     torch.testing.assert_close(drafter(features, ids, anchors), plain, rtol=1e-5, atol=1e-6)

@@ -9,9 +9,10 @@ import collections
 import concurrent.futures
 import contextlib
 import copy
+import math
 import re
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +23,7 @@ from pydflash.pipeline.stages import EagerTarget, TargetStage
 from pydflash.pipeline.stages.drafter_graphs import DrafterGraphs
 
 from .data import MarkovTokens
+from .jsonl import LengthBuckets, Sample
 from .models import BlockDrafter, DrafterConfig, TargetConfig
 
 if TYPE_CHECKING:
@@ -68,14 +70,37 @@ class Job:
     accumulate: int
     lr: float
     seed: int = 0
+    warmup: int = 0  # optimizer steps of linear LR warm-up
+    decay_steps: int | None = None  # cosine decay to LR_FLOOR x lr over this many steps
+    # A data file's samples (dflash.jsonl); None: synthetic Markov tokens of length seq.
+    samples: Sequence[Sample] | None = field(default=None, repr=False, compare=False)
+    pad_multiple: int = 8  # a data file's microbatches are padded to a multiple of this
 
     @property
     def tokens_per_step(self) -> int:
+        """Tokens per step with synthetic data (a data file's vary: `data().tokens`)."""
         return self.accumulate * self.batch * self.seq
 
-    def data(self, seed: int) -> MarkovTokens:
-        """The job's synthetic data: tokens, and anchors when the drafter takes a fixed
-        number of them."""
+    def lr_factor(self, step: int) -> float:
+        """The LR at optimizer step `step` (0-based) over `lr`: warm-up, then cosine."""
+        factor = min(1.0, (step + 1) / self.warmup) if self.warmup else 1.0
+        if self.decay_steps:
+            progress = min(1.0, step / self.decay_steps)
+            factor *= LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
+        return factor
+
+    def data(self, seed: int) -> MarkovTokens | LengthBuckets:
+        """The job's data: a data file's samples batched by length, or synthetic tokens;
+        with anchors when the drafter takes a fixed number of them."""
+        if self.samples is not None:
+            return LengthBuckets(
+                list(self.samples),
+                self.batch,
+                seed=seed,
+                multiple=self.pad_multiple,
+                anchors=self.drafter.anchors,
+                block=self.drafter.block,
+            )
         return MarkovTokens(
             self.target.vocab,
             self.seq,
@@ -86,11 +111,15 @@ class Job:
         )
 
 
+LR_FLOOR = 0.1  # the cosine schedule ends at this fraction of the peak LR
+
+
 @dataclass
 class Models:
     targets: list[torch.nn.Module]  # one per target lane (shared by lanes on one device)
     drafters: list[torch.nn.Module]  # one per drafter lane, identical replicas
     optimizers: list[torch.optim.Optimizer]
+    schedulers: list[torch.optim.lr_scheduler.LRScheduler]  # one per optimizer
 
 
 def target_dtype(device: str) -> torch.dtype:
@@ -141,6 +170,7 @@ def build_models(
         )
         for d, device in zip(drafters, placement.drafters, strict=True)
     ]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, job.lr_factor) for o in optimizers]
     if ddp:
         if len(drafters) != 1:
             raise ValueError(f"expected one drafter lane per process with DDP, got {len(drafters)}")
@@ -150,7 +180,7 @@ def build_models(
                 drafters[0], device_ids=[device.index] if device.type == "cuda" else None
             )
         ]
-    return Models([by_device[d] for d in placement.targets], drafters, optimizers)
+    return Models([by_device[d] for d in placement.targets], drafters, optimizers, schedulers)
 
 
 # --- the two stages ---------------------------------------------------------------------------
@@ -169,13 +199,21 @@ def drafter_loss(
     drafter: torch.nn.Module, inputs: dict, lengths: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The drafter's loss on the target's outputs; `lengths` marks the real positions of
-    a padded microbatch (pydflash.DrafterGraphs passes it)."""
+    a padded microbatch (pydflash.DrafterGraphs passes it). A batch from a data file has
+    a `loss_mask` and, with data-drawn anchors, an `anchor_mask` (dflash.jsonl)."""
     features, ids = inputs["features"], inputs["input_ids"]
     autocast = (
         torch.autocast("cuda", torch.bfloat16) if features.is_cuda else contextlib.nullcontext()
     )
     with autocast:
-        return drafter(features, ids, inputs.get("anchors"), lengths)
+        return drafter(
+            features,
+            ids,
+            inputs.get("anchors"),
+            lengths,
+            loss_mask=inputs.get("loss_mask"),
+            anchor_mask=inputs.get("anchor_mask"),
+        )
 
 
 def _to(obj: dict, device: str) -> dict:
@@ -187,7 +225,7 @@ def sequential_steps(
     models: Models, placement: Placement, job: Job, batches: Iterable[dict], steps: int
 ) -> Iterator[StepLosses]:
     """Target, copy, drafter, one microbatch after another on the calling thread."""
-    drafter, optimizer = models.drafters[0], models.optimizers[0]
+    drafter, optimizer, scheduler = models.drafters[0], models.optimizers[0], models.schedulers[0]
     forwards = [target_forward(t) for t in models.targets]
     it = iter(batches)
     k = 0
@@ -203,6 +241,7 @@ def sequential_steps(
             del out, loss  # the features go before the next forward allocates
             k += 1
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         yield _floats(losses)
 
@@ -212,7 +251,7 @@ def executor_steps(
 ) -> Iterator[StepLosses]:
     """Target forwards on ThreadPoolExecutor threads (one per target lane, each on its
     own CUDA stream), up to `depth` microbatches ahead; the drafter on this thread."""
-    drafter, optimizer = models.drafters[0], models.optimizers[0]
+    drafter, optimizer, scheduler = models.drafters[0], models.optimizers[0], models.schedulers[0]
     drafter_device = placement.drafters[0]
     forwards = [target_forward(t) for t in models.targets]
     streams = [torch.cuda.Stream(d) if d.startswith("cuda") else None for d in placement.targets]
@@ -263,6 +302,7 @@ def executor_steps(
                 losses.append(loss.detach())
                 del out, done, loss  # the features go before the next forward allocates
             optimizer.step()
+            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             yield _floats(losses)
 
@@ -298,7 +338,10 @@ class PipelineLoop:
                 by_model[id(t)] = stage(target_forward(t))
         self.targets = [by_model[id(t)] for t in models.targets]
         training: dict[str, Any] = dict(
-            drafter=models.drafters, loss=drafter_loss, optimizer=models.optimizers
+            drafter=models.drafters,
+            loss=drafter_loss,
+            optimizer=models.optimizers,
+            scheduler=models.schedulers,
         )
         self.drafter = None
         if drafter_graphs:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import objective
 from .fused_loss import linear_cross_entropy
 from .gated_delta import gated_delta_rule
 
@@ -61,7 +62,7 @@ class DrafterConfig:
     head_dim: int = 128
     mlp_ratio: float = 3.0
     block: int = 8  # tokens per block: the anchor and block - 1 predicted tokens
-    decay: float = 0.8  # loss weight of predicted position i is decay ** (i - 1)
+    gamma: float | None = None  # slot k's loss weight is exp(-(k - 1) / gamma); None: DFlash's
     kv_heads: int | None = None  # key/value heads (grouped-query attention); None: heads
     anchors: int | None = None  # anchors per sequence, given by the data; None: every block
     group: int = 32  # blocks per attention query group (Note [Grouped block attention])
@@ -80,6 +81,13 @@ class DrafterConfig:
                 raise ValueError(f"expected {name} >= 1, got {getattr(self, name)}")
         if self.anchors is not None and self.anchors < 1:
             raise ValueError(f"expected anchors >= 1 or None, got {self.anchors}")
+        if self.gamma is not None and not self.gamma > 0:
+            raise ValueError(f"expected gamma > 0 or None, got {self.gamma}")
+
+    @property
+    def gamma_(self) -> float:
+        """The loss decay in use: `gamma`, or DFlash's default for the block size."""
+        return objective.default_gamma(self.block) if self.gamma is None else self.gamma
 
     @property
     def kv_heads_(self) -> int:
@@ -472,25 +480,42 @@ class BlockDrafter(nn.Module):
         input_ids: torch.Tensor,
         anchors: torch.Tensor | None = None,
         lengths: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        anchor_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The training loss (forward returns it, so DistributedDataParallel sees the call):
-        cross entropy of the block predictions, position i weighted by decay ** (i - 1),
-        over the full vocabulary in chunks (fused_loss.linear_cross_entropy), averaged over
-        the blocks. `lengths` [B] (a device tensor) gives each row's real length in a
-        right-padded batch: only blocks that end within it count, and the average is over
-        them, so padding changes nothing (pydflash's Note [Padding contract]). None: every
-        position is real."""
+        DFlash's objective (Note [DFlash objective] in objective.py), the cross entropy of
+        the block predictions over the full vocabulary in chunks
+        (fused_loss.linear_cross_entropy), slot k weighted by exp(-(k - 1) / gamma), only
+        anchors whose token and next are supervised and only supervised labels counted.
+
+        Args:
+            features, input_ids, anchors: as for `predict`.
+            lengths: [B] (a device tensor), each row's real length in a right-padded
+                batch: positions at or past it count for nothing, and the normalisation
+                is counted on the device, so padding changes nothing (pydflash's Note
+                [Padding contract]). None: every position is real.
+            loss_mask: [B, T], nonzero where a token is supervised; None: every token.
+            anchor_mask: [B, T], nonzero in the first entries that are real anchors (the
+                data's, aligned with `anchors`); None: every anchor is real.
+        """
         anchors = self._anchors(input_ids, anchors)
+        if anchor_mask is not None:
+            anchor_mask = anchor_mask[:, : anchors.shape[1]]
         x = self.hidden(features, input_ids, anchors)
-        batch, n = anchors.shape
+        batch = anchors.shape[0]
         offsets = torch.arange(1, self.cfg.block, device=input_ids.device)
-        labels = input_ids.gather(1, (anchors[:, :, None] + offsets).view(batch, -1))
-        weights = self.cfg.decay ** (offsets - 1).float()
-        if lengths is None:
-            weights = (weights / (weights.sum() * batch * n)).expand(batch, n, -1)
-        else:
-            real = (anchors + self.cfg.block <= lengths[:, None]).to(weights.dtype)  # [B, n]
-            weights = weights / (weights.sum() * real.sum().clamp_min(1)) * real[..., None]
+        positions = (anchors[:, :, None] + offsets).clamp_max(input_ids.shape[1] - 1)
+        labels = input_ids.gather(1, positions.view(batch, -1))
+        weights = objective.block_weights(
+            input_ids,
+            anchors,
+            self.cfg.block,
+            self.cfg.gamma_,
+            loss_mask=loss_mask,
+            anchor_mask=anchor_mask,
+            lengths=lengths,
+        )
         return linear_cross_entropy(
             x.reshape(-1, x.shape[-1]),
             self.lm_head.weight,
