@@ -14,6 +14,9 @@ target forward and the drafter's training overlapped on pydflash lanes.
         --target-fp8 --target-fused fla                                     # a cheaper target
     python examples/train_dflash_online.py --devices cuda:0 --target-config qwen3-8b \
         --target-layers 1,9,17,25,33 --drafter-config dflash-b16 --seq 768 --batch 2 --accumulate 8
+    python examples/train_dflash_online.py --target-model ./qwen3-8b --data chats.jsonl \
+        --drafter-config dflash-b16 --seq 4096 --batch 2 --accumulate 8 \
+        --checkpoint-every 500 --export out/drafter                        # a user's own data
 
 The target is the built-in hybrid model unless --target-model (a local Hugging Face
 causal LM, never downloaded) or --target-config (a Qwen3-Next with random weights, needs
@@ -23,8 +26,15 @@ padded to a length bucket, and the loss counts only the real positions).
 --drafter-config dflash-b16 is the published DFlash drafter for Qwen3-8B (5 layers,
 block 16, 256 anchors per sequence drawn by the data, loss over the full vocabulary).
 
+--data trains on a JSONL file of token ids with a loss mask, or of chat messages that
+the target's (or --tokenizer's) chat template encodes, only assistant tokens supervised
+(examples/README.md). The loss is DFlash's (dflash/objective.py). --checkpoint-every and
+Ctrl-C write --out/checkpoint.pt, --resume continues from it; --export writes the drafter
+as config.json + model.safetensors.
+
 Prints the loss and tokens/s every --log-every steps, with a progress bar on a terminal,
-and writes loss_curve.png and summary.json to --out. Needs pydflash installed (`pip install
+and writes loss_curve.png, metrics.csv (and TensorBoard scalars with --tensorboard) and
+summary.json to --out. Needs pydflash installed (`pip install
 -e '.[examples]'`); from the repository root, `python -m examples.train_dflash_online`
 runs it too.
 """
@@ -33,27 +43,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 if __package__:  # python -m examples.train_dflash_online
     from . import dflash
 else:  # python examples/train_dflash_online.py: Python puts this folder first on sys.path
     import dflash
 
-BF16_RTOL = 2e-2  # losses of two bf16 runs: a few bf16 ulps (2^-8) of drift over the steps
-FP32_RTOL = 1e-4  # float32 on CPU, padded against unpadded: rounding over the steps
 
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -146,7 +151,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--trace", type=Path, help="write a Perfetto/Chrome trace of the pipeline's lanes here"
     )
     p.add_argument("--no-plot", action="store_true")
+    dflash.cli.add_arguments(p)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
+    dflash.cli.check(p, args)
     for name in ("steps", "accumulate", "depth", "batch", "seq", "log_every", "anchors"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -226,7 +238,7 @@ def make_target(args: argparse.Namespace) -> dflash.models.TargetConfig | dflash
         raise SystemExit(f"--target-layers: {exc}") from exc
 
 
-def make_job(args: argparse.Namespace) -> tuple[dflash.loops.Job, int]:
+def make_job(args: argparse.Namespace, on_gpu: bool) -> tuple[dflash.loops.Job, int]:
     target = make_target(args)
     name = args.drafter_config or ("tiny" if args.tiny else "default")
     drafter = dataclasses.replace(
@@ -239,21 +251,48 @@ def make_job(args: argparse.Namespace) -> tuple[dflash.loops.Job, int]:
                 "heads": args.heads,
                 "head_dim": args.head_dim,
                 "anchors": args.anchors,
+                "gamma": args.gamma,
+                "loss_kernel": args.loss_kernel,
             }.items()
             if v is not None
         },
     )
+    steps = args.steps or (12 if args.tiny else 50)
+    seq = args.seq or (32 if args.tiny else 1024)
     job = dflash.loops.Job(
         target=target,
         drafter=drafter,
-        seq=args.seq or (32 if args.tiny else 1024),
+        seq=seq,
         batch=args.batch or (2 if args.tiny else 8),
         accumulate=args.accumulate or (2 if args.tiny else 4),
         lr=args.lr or (3e-3 if args.tiny else 3e-4),
         seed=args.seed,
+        warmup=args.warmup,
+        decay_steps=steps,
+        samples=load_samples(args, target, drafter.block, seq),
+        pad_multiple=args.pad_multiple or (64 if on_gpu else 8),
     )
-    steps = args.steps or (12 if args.tiny else 50)
+    job.data(seed=args.seed)  # checks the data's sizes (enough samples, anchors that fit)
     return job, steps
+
+
+def load_samples(args: argparse.Namespace, target: Any, block: int, seq: int) -> list | None:
+    """--data's samples that have a supervised block, or None without --data."""
+    if args.data is None:
+        return None
+    tokenizer = args.tokenizer or args.target_model
+    samples = dflash.jsonl.read_jsonl(args.data, tokenizer, max_length=seq, vocab=target.vocab)
+    kept = dflash.jsonl.trainable(samples, block)
+    if not kept:
+        raise dflash.jsonl.DataError(
+            f"{args.data}: no sample has a supervised token and next with a block of "
+            f"{block} after them (within --seq {seq})"
+        )
+    if len(kept) < len(samples):
+        print(
+            f"{args.data}: {len(samples) - len(kept)} samples without a supervised block left out"
+        )
+    return kept
 
 
 def default_placement(args: argparse.Namespace, local_rank: int | None) -> dflash.loops.Placement:
@@ -273,174 +312,18 @@ def default_placement(args: argparse.Namespace, local_rank: int | None) -> dflas
     return dflash.loops.Placement.parse(devices, ratio)
 
 
-def log(line: str) -> None:
-    """Prints a line on stdout, above the progress bar when there is one."""
-    with tqdm.external_write_mode():
-        print(line, flush=True)
-
-
-@dataclasses.dataclass
-class Outcome:
-    mode: str
-    losses: list[list[float]]  # per step, per microbatch
-    wall_s: float
-    models: dflash.loops.Models
-    pipeline_stats: dict | None = None
-    graph_stats: list[dict] | None = None  # per TargetGraphs, with --target-graphs
-    drafter_graph_stats: dict | None = None  # DrafterGraphs.stats(), with --drafter-graphs
-
-
-def synchronize(placement: dflash.loops.Placement) -> None:
-    for device in set(placement.lanes):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
-
-
-def train(
-    mode: str,
-    job: dflash.loops.Job,
-    placement: dflash.loops.Placement,
-    batches: list[dict],
-    steps: int,
-    depth: int,
-    *,
-    ddp: bool,
-    log_every: int,
-    verbose: bool,
-    trace: Path | None = None,
-    graphs: bool = False,
-    drafter_graphs: bool = False,
-) -> Outcome:
-    """Trains with `mode`'s loop; rank 0 (`verbose`) logs and shows a progress bar."""
-    models = dflash.loops.build_models(job, placement, ddp=ddp)
-    warm = job.data(seed=job.seed + 1).batch(0)
-    loop = None
-    if mode == "pipeline":
-        loop = dflash.loops.PipelineLoop(
-            models,
-            placement,
-            job,
-            depth,
-            trace=trace is not None,
-            graphs=graphs,
-            drafter_graphs=drafter_graphs,
-        )
-        loop.warm_up(warm)
-        step_iter = loop.steps(batches, steps)
-    else:
-        with torch.no_grad():  # the same Triton warm-up as the pipeline's
-            for target, device in zip(models.targets, placement.targets, strict=True):
-                dflash.loops.target_forward(target)({k: t.to(device) for k, t in warm.items()})
-        if mode == "sequential":
-            step_iter = dflash.loops.sequential_steps(models, placement, job, batches, steps)
-        else:
-            step_iter = dflash.loops.executor_steps(models, placement, job, batches, steps, depth)
-    synchronize(placement)
-    if verbose:
-        params = [p for p in models.drafters[0].parameters()]
-        trainable = sum(p.numel() for p in params if p.requires_grad)
-        log(
-            f"{mode}: target lanes {list(placement.targets)}, drafter lanes "
-            f"{list(placement.drafters)}, {job.tokens_per_step} tokens per step; drafter "
-            f"{trainable:,} trainable parameters, "
-            f"{sum(p.numel() for p in params) - trainable:,} frozen"
-        )
-    collected = []
-    # disable=None: a bar only where stderr is a terminal; elsewhere the log lines alone.
-    bar = tqdm(total=steps, desc=mode, unit="step", disable=None if verbose else True)
-    start = window_start = time.perf_counter()
-    try:
-        for step, step_losses in enumerate(step_iter, 1):
-            collected.append(step_losses)
-            bar.update()
-            if step % log_every == 0 or step == steps:
-                losses = step_losses()  # syncs: only every log_every steps
-                now = time.perf_counter()
-                window = step - (step - 1) // log_every * log_every
-                rate = window * job.tokens_per_step / (now - window_start)
-                if verbose:
-                    log(
-                        f"{mode} step {step}/{steps}  loss {sum(losses) / len(losses):.4f}  "
-                        f"tokens/s {rate:,.0f}"
-                    )
-                window_start = now
-        synchronize(placement)
-        wall = time.perf_counter() - start
-    finally:
-        stats = loop.pipe.stats() if loop is not None else None
-        graph_stats = loop.graph_stats() if loop is not None and graphs else None
-        drafter_stats = loop.drafter_graph_stats() if loop is not None else None
-        if loop is not None:
-            if trace is not None:
-                loop.dispatcher.export_trace(trace)
-            loop.close()
-        bar.close()
-    losses = [f() for f in collected]
-    return Outcome(mode, losses, wall, models, stats, graph_stats, drafter_stats)
-
-
-def drafter_state(models: dflash.loops.Models) -> dict[str, torch.Tensor]:
-    module = models.drafters[0]
-    module = getattr(module, "module", module)  # DistributedDataParallel
-    return {name: p.detach().cpu() for name, p in module.named_parameters() if p.requires_grad}
-
-
-def checksum(state: dict[str, torch.Tensor]) -> str:
-    digest = hashlib.sha256()
-    for name, tensor in state.items():
-        digest.update(name.encode())
-        digest.update(tensor.float().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def plot(curves: dict[str, list[float]], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(
-            "matplotlib is not installed: no loss curve (pip install matplotlib)", file=sys.stderr
-        )
-        return False
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, values in curves.items():
-        ax.plot(range(1, len(values) + 1), values, label=label)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("drafter loss")
-    ax.set_title("DFlash-style drafter, online training")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-def compare(
-    reference: Outcome, other: Outcome, exact: bool, rtol: float = BF16_RTOL
-) -> tuple[bool, str]:
-    a = [x for step in reference.losses for x in step]
-    b = [x for step in other.losses for x in step]
-    if exact:
-        ok = a == b
-        verb = "equal" if ok else "differ from"
-        return ok, f"{other.mode} losses {verb} the sequential loop's exactly"
-    worst = max(abs(x - y) / max(abs(x), 1e-6) for x, y in zip(a, b, strict=False))
-    ok = len(a) == len(b) and worst <= rtol
-    kind = "bf16" if rtol == BF16_RTOL else "float32"
-    return ok, (
-        f"{other.mode} losses vs the sequential loop: max relative difference {worst:.2e} "
-        f"({'within' if ok else 'beyond'} the {kind} tolerance {rtol:.0e})"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ["LOCAL_RANK"]) if world > 1 else None
     placement = default_placement(args, local_rank)
+    pin = any(d.startswith("cuda") for d in placement.lanes)
+    try:  # what a user's flags and files get wrong ends in the usage line, with the reason
+        job, steps = make_job(args, on_gpu=pin)
+        run = make_run(args, job, steps, rank, world)
+    except dflash.cli.USER_ERRORS as exc:
+        build_parser().error(str(exc))
     ddp = world > 1
     if ddp:
         if args.check:
@@ -449,92 +332,158 @@ def main(argv: list[str] | None = None) -> int:
         if on_gpu:
             torch.cuda.set_device(placement.drafters[0])
         dist.init_process_group("nccl" if on_gpu else "gloo")
-    job, steps = make_job(args)
-    data = job.data(seed=args.seed)
-    pin = any(d.startswith("cuda") for d in placement.lanes)
-    # Rank r trains on microbatches r, r + world, ...: one stream of data split by rank.
-    batches = data.batches(rank, steps * job.accumulate, stride=world, pin=pin)
-    kwargs = dict(ddp=ddp, log_every=args.log_every, verbose=rank == 0)
-    trace = None if args.trace is None or rank else args.trace
-    outcome = train(
-        args.mode,
-        job,
-        placement,
-        batches,
-        steps,
-        args.depth,
-        trace=trace,
-        graphs=args.target_graphs,
-        drafter_graphs=args.drafter_graphs,
-        **kwargs,
-    )
+    run.ddp = ddp
+    if rank == 0 and job.samples is not None:
+        dflash.training.log(
+            f"{args.data}: {len(job.samples)} samples, {job.data(args.seed).per_epoch} "
+            f"microbatches per epoch, padding {job.data(args.seed).padding_waste():.1%} of tokens"
+        )
+    outcome = dflash.training.train(args.mode, job, placement, run)
     curves = {outcome.mode: [sum(s) / len(s) for s in outcome.losses]}
-    status = 0
+    status = 130 if outcome.interrupted else 0
     check_line = None
     if args.check:
         other = outcome
-        outcome = train("sequential", job, placement, batches, steps, args.depth, **kwargs)
+        run = dataclasses.replace(run, trace=None, scalars=None)
+        outcome = dflash.training.train("sequential", job, placement, run)
         curves = {"sequential": [sum(s) / len(s) for s in outcome.losses], **curves}
         # A padded drafter (--drafter-graphs) equals the loop up to rounding, not bitwise.
         exact = not pin and not args.drafter_graphs
-        ok, check_line = compare(outcome, other, exact, FP32_RTOL if not pin else BF16_RTOL)
+        rtol = dflash.metrics.FP32_RTOL if not pin else dflash.metrics.BF16_RTOL
+        ok, check_line = dflash.metrics.compare(
+            outcome.losses, other.losses, other.mode, exact, rtol
+        )
         status = 0 if ok else 1
         print(("check passed: " if ok else "check FAILED: ") + check_line, flush=True)
         outcome = other
+    if run.scalars is not None:
+        run.scalars.close()
+    done = len(outcome.losses)
+    if done:
+        write_results(args, job, placement, outcome, curves, rank, world, check_line)
+    if ddp:
+        dist.destroy_process_group()
+    return status
 
-    state = drafter_state(outcome.models)
-    tokens_per_s = steps * job.tokens_per_step / outcome.wall_s
+
+def make_run(
+    args: argparse.Namespace, job: dflash.loops.Job, steps: int, rank: int, world: int
+) -> dflash.training.Run:
+    identity = {
+        "world": world,
+        "seed": job.seed,
+        "steps": steps,
+        "batch": job.batch,
+        "accumulate": job.accumulate,
+        "seq": job.seq,
+        "lr": job.lr,
+        "warmup": job.warmup,
+        "drafter": dataclasses.asdict(job.drafter),
+        "target": target_name(job),
+        "target_layers": list(job.target.capture_layers),
+        "data": None if args.data is None else str(args.data.resolve()),
+        "samples": None if job.samples is None else len(job.samples),
+    }
+    keep = args.checkpoint_every or args.stop_after or args.resume
+    checkpoint = args.out / "checkpoint.pt" if keep else None
+    resume = None
+    if args.resume:
+        path = args.out / "checkpoint.pt" if args.resume is True else Path(args.resume)
+        resume = dflash.checkpoint.load(path, identity)
+    scalars = None
+    if rank == 0:
+        scalars = dflash.metrics.Scalars(
+            args.out, tensorboard=args.tensorboard, append=bool(resume)
+        )
+    return dflash.training.Run(
+        steps=steps,
+        depth=args.depth,
+        rank=rank,
+        world=world,
+        log_every=args.log_every,
+        trace=None if args.trace is None or rank else args.trace,
+        graphs=args.target_graphs,
+        drafter_graphs=args.drafter_graphs,
+        checkpoint=checkpoint,
+        every=args.checkpoint_every,
+        stop_after=args.stop_after,
+        resume=resume,
+        identity=identity,
+        scalars=scalars,
+    )
+
+
+def target_name(job: dflash.loops.Job) -> str:
+    if isinstance(job.target, dflash.models.TargetConfig):
+        return "built-in hybrid"
+    return job.target.source
+
+
+def write_results(
+    args, job, placement, outcome: dflash.training.Outcome, curves, rank, world, check_line
+) -> None:
+    """summary.json (per rank), and on rank 0 the drafter, its export and the loss curve."""
+    state = dflash.checkpoint.trainable_state(outcome.models.drafters[0])
+    steps = len(outcome.losses)
+    per_step = job.accumulate * world  # microbatches of all ranks
+    first = (outcome.first_step - 1) * per_step
+    data = job.data(args.seed)
+    tokens = sum(data.tokens(i) for i in range(first, first + steps * per_step))
+    tokens_per_s = tokens / outcome.wall_s
     summary = {
         "mode": outcome.mode,
         "rank": rank,
         "world": world,
         "targets": list(placement.targets),
         "drafters": list(placement.drafters),
-        "target": (
-            "built-in hybrid"
-            if isinstance(job.target, dflash.models.TargetConfig)
-            else job.target.source
-        ),
+        "target": target_name(job),
         "target_layers": list(job.target.capture_layers),
         "target_graphs": outcome.graph_stats,
         "drafter_graphs": outcome.drafter_graph_stats,
+        "gamma": job.drafter.gamma_,
+        "loss_kernel": job.drafter.loss_kernel,
+        "data": None if args.data is None else str(args.data),
+        "first_step": outcome.first_step,
         "steps": steps,
-        "tokens_per_step": job.tokens_per_step,
+        "interrupted": outcome.interrupted,
         "step_time_s": outcome.wall_s / steps,
         "tokens_per_s": tokens_per_s,
         "loss_per_step": curves[outcome.mode],
         "losses": outcome.losses,
-        "drafter_sha256": checksum(state),
+        "drafter_sha256": dflash.metrics.checksum(state),
         "pipeline": outcome.pipeline_stats,
         "check": check_line,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     name = "summary.json" if rank == 0 else f"summary.rank{rank}.json"
     (args.out / name).write_text(json.dumps(summary, indent=1))
-    if args.save_drafter is not None and rank == 0:
+    if rank:
+        return
+    if args.save_drafter is not None:
         torch.save(state, args.save_drafter)
-    if rank == 0:
-        first, last = curves[outcome.mode][0], curves[outcome.mode][-1]
+    if args.export is not None and not outcome.interrupted:
+        dflash.export.export(outcome.models.drafters[0], args.export, job.target.capture_layers)
+        print(f"exported the drafter to {args.export}")
+    first, last = curves[outcome.mode][0], curves[outcome.mode][-1]
+    print(
+        f"{outcome.mode}: loss {first:.4f} -> {last:.4f} over steps {outcome.first_step}-"
+        f"{outcome.first_step + steps - 1}, {outcome.wall_s / steps * 1e3:.1f} ms/step, "
+        f"{tokens_per_s:,.0f} tokens/s",
+        flush=True,
+    )
+    if outcome.pipeline_stats is not None:
+        stats = outcome.pipeline_stats
         print(
-            f"{outcome.mode}: loss {first:.4f} -> {last:.4f} over {steps} steps, "
-            f"{outcome.wall_s / steps * 1e3:.1f} ms/step, {tokens_per_s:,.0f} tokens/s",
-            flush=True,
+            f"hidden states held: peak {stats['hidden_bytes_peak']:,} bytes at depth "
+            f"{stats['depth']} ({stats['hidden_bytes_per_microbatch']:,} per microbatch)"
         )
-        if outcome.pipeline_stats is not None:
-            stats = outcome.pipeline_stats
-            print(
-                f"hidden states held: peak {stats['hidden_bytes_peak']:,} bytes at depth "
-                f"{stats['depth']} ({stats['hidden_bytes_per_microbatch']:,} per microbatch)"
-            )
-        for graph_stats in outcome.graph_stats or ():
-            print(f"target graphs: {json.dumps(graph_stats)}")
-        if outcome.drafter_graph_stats is not None:
-            print(f"drafter graphs: {json.dumps(outcome.drafter_graph_stats)}")
-        if not args.no_plot and plot(curves, args.out / "loss_curve.png"):
-            print(f"wrote {args.out / 'loss_curve.png'}")
-    if ddp:
-        dist.destroy_process_group()
-    return status
+    for graph_stats in outcome.graph_stats or ():
+        print(f"target graphs: {json.dumps(graph_stats)}")
+    if outcome.drafter_graph_stats is not None:
+        print(f"drafter graphs: {json.dumps(outcome.drafter_graph_stats)}")
+    path = args.out / "loss_curve.png"
+    if not args.no_plot and dflash.metrics.plot(curves, path, outcome.first_step):
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -198,7 +198,6 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 def test_read_jsonl_takes_both_formats_and_cuts_long_samples(tmp_path, tokenizers):
-    chat = jsonl.ChatEncoder(tokenizers["plain"])
     path = write_jsonl(
         tmp_path / "d.jsonl",
         [
@@ -208,10 +207,10 @@ def test_read_jsonl_takes_both_formats_and_cuts_long_samples(tmp_path, tokenizer
             {"messages": CHATS[1]},
         ],
     )
-    samples = jsonl.read_jsonl(path, chat, max_length=4)
+    samples = jsonl.read_jsonl(path, tokenizers["plain"], max_length=4)
     assert samples[0] == jsonl.Sample((1, 2, 3, 4), (0, 0, 1, 1))
     assert samples[1] == jsonl.Sample((7, 8, 9), (1, 1, 1))
-    whole = chat.encode(CHATS[1])
+    whole = jsonl.ChatEncoder(tokenizers["plain"]).encode(CHATS[1])
     assert samples[2] == jsonl.Sample(whole.ids[:4], whole.mask[:4])
 
 
@@ -225,12 +224,13 @@ def test_read_jsonl_takes_both_formats_and_cuts_long_samples(tmp_path, tokenizer
         ([{"text": "hi"}], """:1: expected "input_ids" or "messages", got keys ['text']"""),
         ([{"messages": CHATS[0]}], ":1: chat messages need a tokenizer"),
         ([{"messages": [{"role": "user"}]}], ':1: expected "messages" as a list'),
+        ([{"input_ids": [1]}, {"input_ids": [3, 64]}], ":2: token id 64 is outside the target's"),
     ],
 )
 def test_read_jsonl_names_the_bad_line(tmp_path, rows, message):
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(jsonl.DataError, match=re.escape(message)):
-        jsonl.read_jsonl(path)
+        jsonl.read_jsonl(path, vocab=64)
 
 
 def test_missing_file_is_a_data_error(tmp_path):

@@ -65,6 +65,10 @@ class MarkovTokens:
             return {"input_ids": tokens}
         return {"input_ids": tokens, "anchors": self.anchor_positions(index)}
 
+    def tokens(self, index: int) -> int:
+        """Batch `index`'s tokens (every one real)."""
+        return self.batch_size * self.seq
+
     def anchor_positions(self, index: int) -> torch.Tensor:
         """Batch `index`'s anchors, [B, seq] (see the class)."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index + (1 << 40))

@@ -118,3 +118,38 @@ def linear_cross_entropy(
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
     return _LinearCrossEntropy.apply(hidden, weight, labels, weights, chunk, ignore_index)
+
+
+def liger_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    chunk: int = 1024,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """`linear_cross_entropy` through liger-kernel's LigerFusedLinearCrossEntropyLoss
+    (Triton, CUDA only; `chunk` is liger's own choice and ignored here). The per-row
+    weights need its reduction="none", whose backward recomputes each chunk's logits
+    (a third head matmul), and its forward counts the rows with a host sync (.item()),
+    so a graph drafter runs this loss eagerly."""
+    del chunk
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError as exc:
+        raise ModuleNotFoundError(
+            "the liger loss kernel needs liger-kernel: pip install liger-kernel", name=exc.name
+        ) from exc
+    if weights is None:
+        weights = torch.ones(labels.shape, device=hidden.device)
+    if hidden.dtype != weight.dtype:
+        hidden = hidden.to(weight.dtype)
+    loss = LigerFusedLinearCrossEntropyLoss(
+        ignore_index=ignore_index, reduction="none", accum_dtype=torch.float32
+    )
+    return (loss(weight, hidden, labels).float() * weights).sum()
+
+
+# The head + cross entropy kernels a drafter can use (DrafterConfig.loss_kernel).
+KERNELS = {"chunked": linear_cross_entropy, "liger": liger_linear_cross_entropy}

@@ -142,7 +142,24 @@ def _ids(value: Any, what: str) -> list[int]:
     return value
 
 
-def _parse(obj: Any, chat: ChatEncoder | None) -> Sample:
+class _Chat:
+    """A ChatEncoder made at the first chat sample: a file of token ids needs none."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self.encoder = tokenizer, None
+
+    def __call__(self) -> ChatEncoder:
+        if self.tokenizer is None:
+            raise ValueError(
+                "chat messages need a tokenizer: pass --tokenizer DIR (or --target-model)"
+            )
+        if self.encoder is None:
+            tok = self.tokenizer
+            self.encoder = ChatEncoder(load_tokenizer(tok) if isinstance(tok, str | Path) else tok)
+        return self.encoder
+
+
+def _parse(obj: Any, chat: _Chat) -> Sample:
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     if "input_ids" in obj:
@@ -161,22 +178,25 @@ def _parse(obj: Any, chat: ChatEncoder | None) -> Sample:
             for m in messages
         ):
             raise ValueError('expected "messages" as a list of {"role": ..., "content": ...}')
-        if chat is None:
-            raise ValueError(
-                "chat messages need a tokenizer: pass --tokenizer DIR (or --target-model)"
-            )
-        return chat.encode(messages)
+        return chat().encode(messages)
     raise ValueError(f'expected "input_ids" or "messages", got keys {sorted(obj)}')
 
 
 def read_jsonl(
-    path: Path, chat: ChatEncoder | None = None, *, max_length: int | None = None
+    path: Path,
+    tokenizer: Path | Any = None,
+    *,
+    max_length: int | None = None,
+    vocab: int | None = None,
 ) -> list[Sample]:
-    """The file's samples, cut to `max_length` tokens. Raises DataError naming the line
-    of the first bad sample, or saying the file is missing or holds none."""
+    """The file's samples, cut to `max_length` tokens. Chat samples go through
+    `tokenizer` (a loaded one or a local directory, loaded at the first chat sample).
+    Raises DataError naming the line of the first bad sample (a token id >= `vocab`
+    among them), or saying the file is missing or holds none."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
+    chat = _Chat(tokenizer)
     samples = []
     with path.open(encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -186,8 +206,15 @@ def read_jsonl(
                 sample = _parse(json.loads(line), chat)
             except json.JSONDecodeError as exc:
                 raise DataError(f"{path}:{number}: not JSON ({exc.msg})") from None
+            except DataError as exc:
+                raise DataError(f"{path}:{number}: {exc}") from None
             except (ValueError, TypeError, KeyError) as exc:
                 raise DataError(f"{path}:{number}: {exc}") from None
+            if vocab is not None and max(sample.ids, default=0) >= vocab:
+                raise DataError(
+                    f"{path}:{number}: token id {max(sample.ids)} is outside the target's "
+                    f"vocabulary of {vocab}"
+                )
             if max_length is not None:
                 sample = Sample(sample.ids[:max_length], sample.mask[:max_length])
             samples.append(sample)

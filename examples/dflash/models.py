@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import objective
-from .fused_loss import linear_cross_entropy
+from .fused_loss import KERNELS
 from .gated_delta import gated_delta_rule
 
 
@@ -70,6 +70,7 @@ class DrafterConfig:
     # the blocks' own rows, else fewer, larger groups (Note [Grouped block attention]).
     context_copies: float = 2.0
     loss_chunk: int = 1024  # rows per chunk of the fused head + cross entropy
+    loss_kernel: str = "chunked"  # the fused head + cross entropy: fused_loss.KERNELS
 
     def __post_init__(self) -> None:
         if self.block < 2:
@@ -81,6 +82,8 @@ class DrafterConfig:
                 raise ValueError(f"expected {name} >= 1, got {getattr(self, name)}")
         if self.anchors is not None and self.anchors < 1:
             raise ValueError(f"expected anchors >= 1 or None, got {self.anchors}")
+        if self.loss_kernel not in KERNELS:
+            raise ValueError(f"expected loss_kernel in {sorted(KERNELS)}, got {self.loss_kernel!r}")
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(f"expected gamma > 0 or None, got {self.gamma}")
 
@@ -486,7 +489,7 @@ class BlockDrafter(nn.Module):
         """The training loss (forward returns it, so DistributedDataParallel sees the call):
         DFlash's objective (Note [DFlash objective] in objective.py), the cross entropy of
         the block predictions over the full vocabulary in chunks
-        (fused_loss.linear_cross_entropy), slot k weighted by exp(-(k - 1) / gamma), only
+        (fused_loss.KERNELS), slot k weighted by exp(-(k - 1) / gamma), only
         anchors whose token and next are supervised and only supervised labels counted.
 
         Args:
@@ -516,7 +519,7 @@ class BlockDrafter(nn.Module):
             anchor_mask=anchor_mask,
             lengths=lengths,
         )
-        return linear_cross_entropy(
+        return KERNELS[self.cfg.loss_kernel](
             x.reshape(-1, x.shape[-1]),
             self.lm_head.weight,
             labels.flatten(),
@@ -525,7 +528,7 @@ class BlockDrafter(nn.Module):
         )
 
 
-class _Shapes(nn.Module):
+class TargetShapes(nn.Module):
     """A stand-in target with only the shapes a drafter takes from one."""
 
     def __init__(self, dim: int, feature_dim: int, vocab: int) -> None:
@@ -546,7 +549,7 @@ def drafter_parameters(cfg: DrafterConfig, dim: int, feature_dim: int, vocab: in
     wide and a `vocab`-token head, built on the meta device (no memory, no time):
     {"trainable", "frozen" (the embedding and head copies), "total"}."""
     with torch.device("meta"):
-        drafter = BlockDrafter(_Shapes(dim, feature_dim, vocab), cfg)
+        drafter = BlockDrafter(TargetShapes(dim, feature_dim, vocab), cfg)
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in drafter.parameters() if not p.requires_grad)
     return {"trainable": trainable, "frozen": frozen, "total": trainable + frozen}
