@@ -3,7 +3,8 @@
 The workload: a Qwen3-8B-shaped dense target (transformers' Qwen3 from a config, random
 weights, bf16) and the published DFlash drafter (5 layers of Qwen3-8B's width, block 16,
 256 anchors per sequence, the full 151,936-token head; `DFLASH_B16` in
-examples/dflash/models.py), at batch 2 and sequence 768. On one GPU:
+examples/dflash/models.py), at batch 2 and sequence 768, trained on DFlash's objective
+with gamma 7 and no loss mask (`OBJECTIVE`: the rows say so). On one GPU:
 
 - the drafter step alone: ms per sample, achieved TFLOP/s and MFU (FLOPs counted by
   torch.utils.flop_counter), and where its GPU time goes by kind of kernel;
@@ -78,6 +79,12 @@ SPECFORGE = {
     "samples_per_s_per_gpu": 50.1 / 8,
 }
 CROSS_RUN = "SpecForge, published (cross-run)"
+# The objective every DFlash row trains (examples/dflash/objective.py).
+OBJECTIVE = (
+    f"loss: DFlash's, slot k weighted exp(-(k-1)/{DFLASH_B16.gamma_:g}) at block "
+    f"{DFLASH_B16.block}; no loss mask (synthetic tokens: every position supervised, "
+    f"{DFLASH_B16.anchors} anchors uniform over the sequence)"
+)
 SETUP_DIFFERENCES = (
     "SpecForge's figures are another run (8xH200, SGLang capture server, FSDP trainers, "
     "real prompts averaging ~550 tokens, their kernels); ours: one GPU, both stages "
@@ -352,7 +359,8 @@ def parameter_row(scale_job: Job) -> Row:
         note=(
             f"{counts['trainable'] / 1e9:.3f} B trainable (fp32 master weights, bf16 autocast, "
             f"fused AdamW) + {counts['frozen'] / 1e9:.3f} B frozen (the target's embedding "
-            f"and head, bf16); capture layers {list(target.capture_layers)}; SpecForge: ~1.1 B"
+            f"and head, bf16); capture layers {list(target.capture_layers)}; SpecForge: ~1.1 B; "
+            f"{OBJECTIVE}"
         ),
         extra=counts,
     )
@@ -475,7 +483,7 @@ def measure(ctx: Context, scale: Scale) -> list[Row]:
             note=(
                 f"target and drafter lanes on {scale.placement.targets[0]}; "
                 f"{rate * job.seq:,.0f} tokens/s; SpecForge: 50.1 samples/s on 8 GPUs; "
-                f"{SETUP_DIFFERENCES}"
+                f"{SETUP_DIFFERENCES}; {OBJECTIVE}"
             ),
             tokens_per_s=rate * job.seq,
         )

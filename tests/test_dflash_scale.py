@@ -265,6 +265,7 @@ def test_section_on_cpu_reports_its_rows_as_not_run_but_counts_parameters():
     rows = dflash_scale.run(_ctx())
     count, *rest = rows
     assert count.name == "drafter parameters, trainable" and 1.04e9 < count.value < 1.06e9
+    assert "exp(-(k-1)/7) at block 16; no loss mask" in count.note  # the objective it trains
     assert rest and all(r.value is None and "needs a GPU" in r.note for r in rest)
     assert {r.target for r in rest} >= {"value >= 0.435", "value >= 8", "<= 1.05"}
 

@@ -343,7 +343,8 @@ def test_torchrun_trains_one_ddp_drafter_across_two_processes(tmp_path, flags):
     assert [r["world"] for r in ranks] == [world, world]
     assert ranks[0]["drafter_sha256"] == ranks[1]["drafter_sha256"]  # one drafter
     # The same training in one process: every rank's microbatches, one accumulation.
-    job = dataclasses.replace(TINY_JOB, accumulate=TINY_JOB.accumulate * world)
+    # The script's LR decays over --steps.
+    job = dataclasses.replace(TINY_JOB, accumulate=TINY_JOB.accumulate * world, decay_steps=steps)
     placement = Placement.parse(["cpu"], "1:1")
     models = build_models(job, placement)
     data = MarkovTokens(TINY_TARGET.vocab, job.seq, job.batch, seed=0)
