@@ -344,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     check_line = None
     if args.check:
         other = outcome
-        run = dataclasses.replace(run, trace=None, scalars=None)
-        outcome = dflash.training.train("sequential", job, placement, run)
+        reference = dataclasses.replace(run, trace=None, scalars=None)
+        outcome = dflash.training.train("sequential", job, placement, reference)
         curves = {"sequential": [sum(s) / len(s) for s in outcome.losses], **curves}
         # A padded drafter (--drafter-graphs) equals the loop up to rounding, not bitwise.
         exact = not pin and not args.drafter_graphs

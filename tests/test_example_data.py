@@ -31,6 +31,19 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 PLAIN_TEMPLATE = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+# Renders an assistant turn that later turns follow without its reasoning, as Qwen3's does.
+REWRITING_TEMPLATE = PLAIN_TEMPLATE.replace(
+    "{% if m['role'] == 'assistant' %}{{ m['content'] }}",
+    "{% if m['role'] == 'assistant' and not loop.last %}"
+    "{{ m['content'].split('</think>')[-1].strip() }}<|im_end|>"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}",
+)
+THINKING = [
+    {"role": "user", "content": "what is two plus two"},
+    {"role": "assistant", "content": "<think>let me see</think> four of course"},
+    {"role": "user", "content": "and three plus three"},
+    {"role": "assistant", "content": "six is the answer"},
+]
 CHATS = [
     [
         {"role": "system", "content": "you are terse"},
@@ -147,7 +160,7 @@ def make_tokenizer(path: Path, template: str) -> Path:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     specials = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>"]
     trainer = trainers.WordLevelTrainer(special_tokens=specials)
-    text = [m["content"] + " " + m["role"] for chat in CHATS for m in chat]
+    text = [m["content"] + " " + m["role"] for chat in [*CHATS, THINKING] for m in chat]
     tok.train_from_iterator(text, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -165,7 +178,11 @@ def tokenizers(tmp_path_factory):
     root = tmp_path_factory.mktemp("tok")
     return {
         name: jsonl.load_tokenizer(make_tokenizer(root / name, template))
-        for name, template in (("generation", CHAT_TEMPLATE), ("plain", PLAIN_TEMPLATE))
+        for name, template in (
+            ("generation", CHAT_TEMPLATE),
+            ("plain", PLAIN_TEMPLATE),
+            ("rewriting", REWRITING_TEMPLATE),
+        )
     }
 
 
@@ -174,7 +191,9 @@ def assistant_text(tokenizer, sample: jsonl.Sample) -> str:
 
 
 def test_chat_masks_cover_the_assistant_turns_with_either_template(tokenizers):
-    encoders = {name: jsonl.ChatEncoder(tok) for name, tok in tokenizers.items()}
+    encoders = {
+        name: jsonl.ChatEncoder(tok) for name, tok in tokenizers.items() if name != "rewriting"
+    }
     assert encoders["generation"].method == "generation"
     assert encoders["plain"].method == "prefix"
     for chat in CHATS:
@@ -190,6 +209,26 @@ def test_chat_masks_cover_the_assistant_turns_with_either_template(tokenizers):
     enc = plain.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     spans = plain._content_spans(CHATS[0], text, enc)
     assert spans == plain._prefix_spans(CHATS[0], text)
+
+
+def test_a_template_that_rewrites_earlier_turns_supervises_what_it_renders(tokenizers):
+    chat = jsonl.ChatEncoder(tokenizers["rewriting"])
+    assert chat.method == "prefix" and chat._prefix_spans(THINKING, chat.render(THINKING)) is None
+    sample = chat.encode(THINKING)
+    assert chat.searched == 1
+    text = assistant_text(tokenizers["rewriting"], sample)
+    assert text.split() == [
+        "four",
+        "of",
+        "course",
+        "<|im_end|>",
+        "six",
+        "is",
+        "the",
+        "answer",
+        "<|im_end|>",
+    ]
+    assert tokenizers["rewriting"].decode(sample.ids).count("think") == 0
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

@@ -82,6 +82,7 @@ class ChatEncoder:
             raise DataError("expected a fast tokenizer (with offsets), got a slow one")
         self.tokenizer = tokenizer
         self.method = "generation" if GENERATION.search(tokenizer.chat_template) else "prefix"
+        self.searched = 0  # samples whose turns the content search found (see above)
 
     def render(self, messages: list[dict], prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
@@ -96,7 +97,10 @@ class ChatEncoder:
             return Sample(tuple(out["input_ids"]), tuple(out["assistant_masks"]))
         text = self.render(messages)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        spans = self._prefix_spans(messages, text) or self._content_spans(messages, text, enc)
+        spans = self._prefix_spans(messages, text)
+        if spans is None:
+            spans = self._content_spans(messages, text, enc)
+            self.searched += 1
         mask = [int(any(a <= s < b for a, b in spans)) for s, _ in enc["offset_mapping"]]
         return Sample(tuple(enc["input_ids"]), tuple(mask))
 
@@ -118,12 +122,15 @@ class ChatEncoder:
         )
         spans, at = [], 0
         for message in messages:
-            content = message["content"].strip()
-            if message["role"] != "assistant" or not content:
+            if message["role"] != "assistant" or not message["content"].strip():
                 continue
+            # As rendered in full, or as templates render earlier turns: without reasoning.
+            whole = message["content"].strip()
+            answer = whole.rsplit("</think>", 1)[-1].strip()
+            content = whole if text.find(whole, at) >= 0 else answer
             start = text.find(content, at)
-            if start < 0:
-                raise DataError("an assistant turn's content is not in the rendered chat")
+            if start < 0 or not content:
+                raise ValueError("an assistant turn's content is not in the rendered chat")
             end = at = start + len(content)
             for token, (s, e) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
                 if s >= end:  # the first token after the content: the end of turn if special
@@ -254,7 +261,7 @@ class LengthBuckets:
         *,
         seed: int = 0,
         multiple: int = 8,
-        window: int = 16,
+        window: int = 64,
         anchors: int | None = None,
         block: int | None = None,
     ) -> None:
