@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ from examples.dflash.models import (
     HybridTarget,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['role'] == 'assistant' %}"
@@ -357,3 +360,28 @@ def test_variable_length_microbatches_through_the_pipeline_equal_the_sequential_
     # contract holds with a loss mask, up to float32 rounding.
     assert loop.drafter_graph_stats()["padding_waste"] > 0
     torch.testing.assert_close(pipelined, reference, rtol=1e-4, atol=0)
+
+
+@pytest.mark.timeout(300)
+def test_the_script_trains_on_chat_data_with_the_target_models_tokenizer(tmp_path):
+    """The README's command: a local checkpoint with its tokenizer, and a chat JSONL."""
+    from examples.dflash.hf import HFTargetConfig
+
+    model = tmp_path / "model"
+    torch.manual_seed(3)
+    HFTargetConfig.load("qwen3-next-tiny").build().model.save_pretrained(model)
+    make_tokenizer(model, PLAIN_TEMPLATE)
+    data = write_jsonl(tmp_path / "chats.jsonl", [{"messages": c} for c in [*CHATS, THINKING] * 3])
+    result = subprocess.run(
+        [
+            sys.executable, str(ROOT / "examples" / "train_dflash_online.py"), "--tiny",
+            "--target-model", str(model), "--data", str(data), "--seq", "64", "--steps", "3",
+            "--check", "--devices", "cpu", "--no-plot", "--out", str(tmp_path / "out"),
+        ],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "check passed: pipeline losses equal the sequential loop's exactly" in result.stdout
+    assert f"{data}: 9 samples, 4 microbatches per epoch, padding" in result.stdout
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["data"] == str(data) and summary["gamma"] == 2.5 and summary["steps"] == 3

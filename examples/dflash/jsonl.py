@@ -278,12 +278,12 @@ class LengthBuckets:
         self.samples, self.batch_size, self.seed = samples, batch, seed
         self.multiple, self.window, self.anchors, self.block = multiple, window, anchors, block
         self.per_epoch = len(samples) // batch
-        self._epoch: tuple[int, list[list[int]]] | None = None
+        self._epochs: dict[int, list[list[int]]] = {}  # the last two asked for
 
     def epoch(self, epoch: int) -> list[list[int]]:
         """The sample indices of each microbatch of `epoch`."""
-        if self._epoch is not None and self._epoch[0] == epoch:
-            return self._epoch[1]
+        if epoch in self._epochs:
+            return self._epochs[epoch]
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         order = torch.randperm(len(self.samples), generator=g).tolist()
         order = order[: self.per_epoch * self.batch_size]
@@ -295,7 +295,7 @@ class LengthBuckets:
                 window[i : i + self.batch_size] for i in range(0, len(window), self.batch_size)
             ]
         groups = [groups[i] for i in torch.randperm(len(groups), generator=g).tolist()]
-        self._epoch = (epoch, groups)
+        self._epochs = {**dict(list(self._epochs.items())[-1:]), epoch: groups}
         return groups
 
     def members(self, index: int) -> list[Sample]:

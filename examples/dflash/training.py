@@ -103,7 +103,10 @@ def train(mode: str, job: loops.Job, placement: loops.Placement, run: Run) -> Ou
 
     def steps_of(first: int, count: int) -> Any:
         indices = microbatches(first, count * job.accumulate)
-        batches = data.batches(indices[0], len(indices), stride=run.world, pin=pin)
+        if job.samples is None:  # synthetic tokens are slow to make: all up front
+            batches: Any = data.batches(indices[0], len(indices), stride=run.world, pin=pin)
+        else:  # a file's: made as the loop asks, so a long run holds only those in flight
+            batches = (data.batches(i, 1, pin=pin)[0] for i in indices)
         if loop is not None:
             return loop.steps(batches, count)
         if mode == "sequential":
