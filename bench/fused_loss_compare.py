@@ -53,20 +53,20 @@ def liger_version() -> str | None:
 
 def inputs(rows: int, hidden: int, vocab: int, device: str, seed: int = 0) -> dict[str, Any]:
     """Hidden states, the frozen head, labels and DFlash-like row weights."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)  # drawn where they live: fast
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    h = (torch.randn(rows, hidden, generator=g) * hidden**-0.5 * 4).to(device, dtype)
-    w = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5).to(device, dtype)
-    labels = torch.randint(0, vocab, (rows,), generator=g).to(device)
-    slots = position_weights(BLOCK, GAMMA).repeat(math.ceil(rows / (BLOCK - 1)))[:rows]
-    supervised = torch.rand(rows, generator=g) > 1 / 3
+
+    def randn(*shape: int, scale: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+    # A normed hidden state and a head that give logits of standard deviation 2.
+    h = randn(rows, hidden, scale=1.0)
+    w = randn(vocab, hidden, scale=2 * hidden**-0.5)
+    labels = torch.randint(0, vocab, (rows,), generator=g, device=device)
+    slots = position_weights(BLOCK, GAMMA, device).repeat(math.ceil(rows / (BLOCK - 1)))[:rows]
+    supervised = torch.rand(rows, generator=g, device=device) > 1 / 3
     weights = slots * supervised
-    return {
-        "hidden": h,
-        "weight": w,
-        "labels": labels,
-        "weights": (weights / weights.sum()).to(device),
-    }
+    return {"hidden": h, "weight": w, "labels": labels, "weights": weights / weights.sum()}
 
 
 def reference(x: dict[str, Any], chunk: int = 1024) -> tuple[float, torch.Tensor]:

@@ -48,7 +48,7 @@ from examples.dflash.models import (
     BlockDrafter,
     DrafterConfig,
     TargetConfig,
-    _Shapes,
+    TargetShapes,
     query_groups,
 )
 
@@ -570,7 +570,7 @@ def _drafter_alone(workload: Workload, device: str, length: int) -> tuple[limits
     width, on_gpu = len(target.capture_layers) * target.dim, device.startswith("cuda")
     dtype = torch.bfloat16 if on_gpu else torch.float32
     with torch.device(device):
-        drafter = BlockDrafter(_Shapes(target.dim, width, target.vocab).to(dtype), cfg)
+        drafter = BlockDrafter(TargetShapes(target.dim, width, target.vocab).to(dtype), cfg)
         features = torch.randn(workload.batch, length, width, dtype=dtype)
     job = Job(target, cfg, seq=length, batch=workload.batch, accumulate=1, lr=1e-4)
     inputs = {**{k: t.to(device) for k, t in job.data(0).batch(0).items()}, "features": features}

@@ -317,9 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ["LOCAL_RANK"]) if world > 1 else None
-    placement = default_placement(args, local_rank)
-    pin = any(d.startswith("cuda") for d in placement.lanes)
     try:  # what a user's flags and files get wrong ends in the usage line, with the reason
+        placement = default_placement(args, local_rank)
+        pin = any(d.startswith("cuda") for d in placement.lanes)
         job, steps = make_job(args, on_gpu=pin)
         run = make_run(args, job, steps, rank, world)
     except dflash.cli.USER_ERRORS as exc:
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     curves = {outcome.mode: [sum(s) / len(s) for s in outcome.losses]}
     status = 130 if outcome.interrupted else 0
     check_line = None
-    if args.check:
+    if args.check and not outcome.interrupted:
         other = outcome
         reference = dataclasses.replace(run, trace=None, scalars=None)
         outcome = dflash.training.train("sequential", job, placement, reference)
@@ -358,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         outcome = other
     if run.scalars is not None:
         run.scalars.close()
-    done = len(outcome.losses)
-    if done:
+    if outcome.losses:
         write_results(args, job, placement, outcome, curves, rank, world, check_line)
     if ddp:
         dist.destroy_process_group()

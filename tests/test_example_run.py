@@ -231,6 +231,7 @@ CASES = {
     "seq": (["--seq", "1"], "--seq must be >= 2 (a token and the next), got 1"),
     "device": (["--devices", "cuda:0"], "--devices cuda:0: no GPU is visible here"),
     "device-name": (["--devices", "gpu0"], "--devices gpu0: expected a device such as cpu"),
+    "ratio": (["--ratio", "2-1"], "expected a ratio like 2:1 (targets:drafters), got '2-1'"),
     "anchors": (["--anchors", "500"], "expected 1 <= anchors <= seq - block + 1 = 29, got 500"),
     "missing": (["--data", "missing.jsonl"], "missing.jsonl: no such file"),
     "empty": (["--data", "empty.jsonl"], "empty.jsonl: no samples (the file is empty)"),

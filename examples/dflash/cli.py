@@ -108,6 +108,8 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         reason = device_problem(device)
         if reason:
             p.error(f"--devices {device}: {reason}")
+    if args.export is not None and importlib.util.find_spec("safetensors") is None:
+        p.error("--export writes safetensors: pip install safetensors")
     if args.loss_kernel == "liger":
         if importlib.util.find_spec("liger_kernel") is None:
             p.error("--loss-kernel liger needs liger-kernel: pip install liger-kernel")

@@ -51,8 +51,10 @@ GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 
 def load_tokenizer(path: Path) -> Any:
     """A local tokenizer (`AutoTokenizer.from_pretrained(path, local_files_only=True)`)."""
-    from transformers import AutoTokenizer
-
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DataError("chat messages need transformers: pip install 'pydflash[hf]'") from None
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as exc:
