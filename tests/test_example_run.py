@@ -61,11 +61,15 @@ def run_args(data: Path, out: Path, steps: int, *extra: str) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["pipeline", "sequential"])
-def test_resumed_run_equals_an_uninterrupted_one_exactly_on_cpu(tmp_path, mode):
+@pytest.mark.parametrize(
+    "flags",
+    [("--mode", "pipeline"), ("--mode", "sequential"), ("--drafter-graphs",)],
+    ids=["pipeline", "sequential", "drafter-graphs"],
+)
+def test_resumed_run_equals_an_uninterrupted_one_exactly_on_cpu(tmp_path, flags):
     data = token_file(tmp_path / "d.jsonl")
     whole, part = tmp_path / "whole", tmp_path / "part"
-    common = ("--mode", mode, "--devices", "cpu")
+    common = (*flags, "--devices", "cpu")
     script(*run_args(data, whole, 7, *common, "--export", str(whole / "drafter")), cwd=tmp_path)
     script(*run_args(data, part, 7, *common, "--stop-after", "3"), cwd=tmp_path)
     assert len(losses(part)) == 3
@@ -125,10 +129,13 @@ def test_ctrl_c_checkpoints_the_last_finished_step_and_resume_continues(tmp_path
 @pytest.mark.gpu
 @GPU
 @pytest.mark.timeout(600)
-def test_resumed_run_equals_an_uninterrupted_one_on_a_gpu(tmp_path):
+@pytest.mark.parametrize(
+    "flags", [(), ("--target-graphs", "--drafter-graphs")], ids=["eager", "graphs"]
+)
+def test_resumed_run_equals_an_uninterrupted_one_on_a_gpu(tmp_path, flags):
     data = token_file(tmp_path / "d.jsonl")
     whole, part = tmp_path / "whole", tmp_path / "part"
-    common = ("--devices", "cuda:0", "--ratio", "1:1")
+    common = (*flags, "--devices", "cuda:0", "--ratio", "1:1")
     script(*run_args(data, whole, 7, *common), cwd=tmp_path)
     script(*run_args(data, part, 7, *common, "--stop-after", "3"), cwd=tmp_path)
     script(*run_args(data, part, 7, *common, "--resume"), cwd=tmp_path)

@@ -63,7 +63,7 @@ def save(path: Path, models: Any, step: int, run: dict[str, Any]) -> None:
         "step": step,
         "run": run,
         "drafter": trainable_state(models.drafters[0]),
-        "optimizer": models.optimizers[0].state_dict(),
+        "optimizer": _plain_hyperparameters(models.optimizers[0].state_dict()),
         "scheduler": models.schedulers[0].state_dict(),
         "rng": rng_state(),
     }
@@ -78,6 +78,17 @@ def save(path: Path, models: Any, step: int, run: dict[str, Any]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _plain_hyperparameters(state: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's state with one-element tensor hyperparameters as numbers: a graph
+    stage (DrafterGraphs) keeps `lr` as a device tensor of its own, which a resumed run's
+    stage makes again."""
+    for group in state["param_groups"]:
+        for key, value in group.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                group[key] = value.item()
+    return state
 
 
 class ResumeError(ValueError):

@@ -11,7 +11,8 @@ predicts the `block - 1` tokens after x_p in one parallel pass. A block's input 
 target's context features at positions <= p and, bidirectionally, to its own block.
 Embedding and LM head are frozen copies of the target's. The anchors are every
 block-th position, or a fixed number per sequence drawn by the data (`anchors`); the
-loss runs over the full vocabulary in chunks (`fused_loss`). `DFLASH_B16` is the
+loss is DFlash's (`objective`: supervised anchors and labels, slot weights
+exp(-(k-1)/gamma)), over the full vocabulary in chunks (`fused_loss`). `DFLASH_B16` is the
 published DFlash recipe for Qwen3-8B. (DFlash's context stops just before p; here it
 includes p. The shapes and FLOPs are the same.)
 """
@@ -487,10 +488,10 @@ class BlockDrafter(nn.Module):
         anchor_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The training loss (forward returns it, so DistributedDataParallel sees the call):
-        DFlash's objective (Note [DFlash objective] in objective.py), the cross entropy of
-        the block predictions over the full vocabulary in chunks
-        (fused_loss.KERNELS), slot k weighted by exp(-(k - 1) / gamma), only
-        anchors whose token and next are supervised and only supervised labels counted.
+        DFlash's objective (Note [DFlash objective] in objective.py): the cross entropy of
+        the block predictions over the full vocabulary (cfg.loss_kernel, one of
+        fused_loss.KERNELS), slot k weighted by exp(-(k - 1) / gamma), counting only
+        anchors whose token and next are supervised, and only supervised labels.
 
         Args:
             features, input_ids, anchors: as for `predict`.
