@@ -417,7 +417,7 @@ def test_real_target_section_is_not_run_without_transformers(monkeypatch, tmp_pa
 
 
 def test_compile_child_is_killed_at_its_limit_and_reports_how_far_it_got():
-    from bench.real_target import compile_child
+    from bench.real_target_compile import compile_child
 
     def child(behaviour: str) -> list[str]:
         return [
@@ -474,11 +474,13 @@ def test_compile_child_is_killed_at_its_limit_and_reports_how_far_it_got():
 )
 def test_compile_rows_say_what_the_child_reached(monkeypatch, report, failure, first, second):
     pytest.importorskip("transformers")
-    from bench import real_target
+    from bench import real_target, real_target_compile
 
-    monkeypatch.setattr(real_target, "compile_child", lambda command, limit: (report, failure))
+    monkeypatch.setattr(
+        real_target_compile, "compile_child", lambda command, limit: (report, failure)
+    )
     bench = real_target.make_bench(Context(True, 0, print), real_target.Options(), "tiny")
-    compiled, threaded = real_target.compiled_rows(
+    compiled, threaded = real_target_compile.compiled_rows(
         Context(True, 0, lambda line: None), real_target.Options(), bench, "small", 300
     )
     assert compiled.measured == (first is None) and threaded.measured == (second is None)
@@ -500,6 +502,7 @@ def test_threaded_calls_report_a_failing_or_wrong_callable():
     import torch
 
     from bench import real_target
+    from bench.real_target_compile import threaded_calls
 
     bench = real_target.make_bench(Context(True, 0, print), real_target.Options(), "tiny")
     batches = bench.batches(3)
@@ -518,19 +521,16 @@ def test_threaded_calls_report_a_failing_or_wrong_callable():
             raise RuntimeError("not thread safe\nsecond line")
         return fine(batch)
 
-    assert real_target.threaded_calls(bench, fine, fine, batches)["error"] is None
-    assert (
-        "wrong outputs in threads"
-        in real_target.threaded_calls(bench, flaky, fine, batches)["error"]
-    )
-    assert real_target.threaded_calls(bench, broken, fine, batches) == {
+    assert threaded_calls(bench, fine, fine, batches)["error"] is None
+    assert "wrong outputs in threads" in threaded_calls(bench, flaky, fine, batches)["error"]
+    assert threaded_calls(bench, broken, fine, batches) == {
         "error": "RuntimeError: not thread safe"
     }
 
 
 def test_compile_only_runs_just_the_compile_child_for_its_sizes(monkeypatch):
     pytest.importorskip("transformers")
-    from bench import real_target
+    from bench import real_target, real_target_compile
 
     def no_build(*args, **kwargs):
         raise AssertionError("--compile-only builds no target in this process")
@@ -538,7 +538,7 @@ def test_compile_only_runs_just_the_compile_child_for_its_sizes(monkeypatch):
     commands = []
     monkeypatch.setattr(real_target, "build_models", no_build)
     monkeypatch.setattr(
-        real_target,
+        real_target_compile,
         "compile_child",
         lambda command, limit: commands.append((command, limit)) or ({}, "exit 1: boom"),
     )
