@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from bench import fidelity, kernels
+from bench import fidelity, fidelity_report, kernels
 from bench.common import Context, Row, compare, counts_arg, interleaved_medians, not_run
 from bench.harness import executor_step, lanes_step, loop_baselines, n_lanes, sequential_step
 from bench.pipeline import Setup, step_time
@@ -141,7 +141,7 @@ def fidelity_rows(ctx: Context) -> list[Row]:
     for moe in (False, True):
         ctx.progress(f"fidelity, {'MoE' if moe else 'dense'}: graph vs eager, padding's floor")
         target = fidelity.build(SIZES["small"][0], moe)
-        rows.append(fidelity.row(SECTION, fidelity.measure(target)))
+        rows.append(fidelity_report.row(SECTION, fidelity.measure(target)))
         del target
         torch.cuda.empty_cache()
     return rows

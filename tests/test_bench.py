@@ -724,15 +724,15 @@ def test_kernels_are_named_and_fallbacks_forced(monkeypatch):
 def test_relative_error_and_cutting_padding():
     import torch
 
-    from bench import fidelity
+    from bench import fidelity, fidelity_probes
 
     a = torch.ones(1, 4, 2)
-    assert fidelity.rel_err(a, a) == 0.0
-    assert fidelity.rel_err(a * 1.01, a) == pytest.approx(0.01, rel=1e-4)
-    assert fidelity.rel_err(a, torch.ones(1, 5, 2)) == float("inf")
+    assert fidelity_probes.rel_err(a, a) == 0.0
+    assert fidelity_probes.rel_err(a * 1.01, a) == pytest.approx(0.01, rel=1e-4)
+    assert fidelity_probes.rel_err(a, torch.ones(1, 5, 2)) == float("inf")
     long = torch.arange(12.0).reshape(1, 6, 2)
-    assert fidelity.cut(long, a).shape == a.shape and fidelity.cut(a, long) is None
-    assert fidelity.cut(torch.ones(2, 6, 3), a) is None  # two dimensions differ
+    assert fidelity_probes.cut(long, a).shape == a.shape and fidelity_probes.cut(a, long) is None
+    assert fidelity_probes.cut(torch.ones(2, 6, 3), a) is None  # two dimensions differ
     assert fidelity.bucket_of(700) == 1024 and fidelity.bucket_of(5) == 128
     assert fidelity.bucket_of(1024) == 1024
 
@@ -787,35 +787,35 @@ def synthetic_fidelity(**errors):
 
 
 def test_fidelity_report_reads_itself():
-    from bench import fidelity
+    from bench import fidelity_report
 
     floor = synthetic_fidelity(padding=0.01, graph=0.01, graph_vs_padded=0.001)
-    assert "within the padding floor" in fidelity.reading(floor)
+    assert "within the padding floor" in fidelity_report.reading(floor)
     capture = synthetic_fidelity(graph=0.002, graph_vs_padded=0.002, plain_capture=0.002)
-    text = fidelity.format_result(capture)
+    text = fidelity_report.format_result(capture)
     assert "TargetGraphs on a lane  vs  eager" in text and "0.200 %" in text
     assert "the capture itself changes kernels" in text
-    row = fidelity.row("real_target", capture)
+    row = fidelity_report.row("real_target", capture)
     assert row.value == 0.002 and row.baseline == 0.0 and row.ratio is None
     assert row.baseline_name == "noise floor: eager padded vs eager"
     assert "kernels: gated delta rule FLA 0.6.0" in row.note
     ours = synthetic_fidelity(graph=0.004, graph_vs_padded=0.004, plain_capture=0.0, lane=0.004)
-    assert "running on a lane changes the bits" in fidelity.reading(ours)
-    assert "more than a plain capture" in fidelity.reading(ours)
+    assert "running on a lane changes the bits" in fidelity_report.reading(ours)
+    assert "more than a plain capture" in fidelity_report.reading(ours)
 
 
 def test_probes_record_leaf_modules_and_kernels_then_leave():
     pytest.importorskip("transformers")
     import torch
 
-    from bench import fidelity, kernels
+    from bench import fidelity_probes, kernels
     from examples.dflash.hf import HFTargetConfig
 
     # Layer 3, the tiny model's full-attention layer, is a capture layer: the forward stops
     # after the last capture layer, and these tests need it to reach an attention call.
     model = HFTargetConfig.load("qwen3-next-tiny", layers=(1, 3)).build(torch.float32)
     module = kernels._modeling()
-    before = {name: getattr(module, name) for name in fidelity.Probes.FUNCTIONS}
+    before = {name: getattr(module, name) for name in fidelity_probes.Probes.FUNCTIONS}
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def hooks():
@@ -825,7 +825,7 @@ def test_probes_record_leaf_modules_and_kernels_then_leave():
     with torch.no_grad():
         model(ids)  # transformers adds hooks of its own on the first forward
     hooks_before = hooks()
-    probes = fidelity.Probes(model)
+    probes = fidelity_probes.Probes(model)
     with probes.recording() as calls, torch.no_grad():
         model(ids)
     with probes.recording() as longer, torch.no_grad():
@@ -835,7 +835,7 @@ def test_probes_record_leaf_modules_and_kernels_then_leave():
     assert {"Linear", "torch_chunk_gated_delta_rule", "causal_conv1d_fn", "sdpa"} <= kinds
     assert {name: getattr(module, name) for name in before} == before
     assert torch.nn.functional.scaled_dot_product_attention is sdpa
-    padding = fidelity.compare_calls(list(calls), list(longer))
+    padding = fidelity_probes.compare_calls(list(calls), list(longer))
     assert padding["aligned"] and padding["calls"] == len(calls)
     assert hooks() == hooks_before
 
@@ -924,9 +924,9 @@ def test_reading_the_autotuners_touches_no_deprecated_attribute():
     pytest.importorskip("triton")
     import torch.distributed  # noqa: F401 - puts the deprecated reduce_op among the objects
 
-    from bench import fidelity
+    from bench import fidelity_probes
 
-    assert isinstance(fidelity.autotuner_choices(), dict)
+    assert isinstance(fidelity_probes.autotuner_choices(), dict)
 
 
 def test_launch_bound_graph_rows_time_a_longer_steady_state_window():
