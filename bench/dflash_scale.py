@@ -40,8 +40,7 @@ from bench.dflash_scale_stages import (
     kernel_breakdown,
     target_alone,
 )
-from bench.harness import loop_baselines
-from bench.pipeline import step_time
+from bench.harness import loop_baselines, step_time
 from examples.dflash.hf import HFTargetConfig, dflash_layers
 from examples.dflash.loops import Job, Models, PipelineLoop, Placement, build_models
 from examples.dflash.models import DFLASH_B16, drafter_parameters

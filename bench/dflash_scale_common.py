@@ -1,5 +1,5 @@
 """What the dflash_scale section's parts share: `Scale`, the workload and how long to
-time it; bench.pipeline's timing setup on the job's own data; and the synchronize and
+time it; the harness's timing setup on the job's own data; and the synchronize and
 peak-memory helpers (bench/dflash_scale.py reports; bench/dflash_scale_stages.py times
 each stage alone, bench/dflash_scale_parallel.py the data-parallel drafters)."""
 
@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from bench.pipeline import Setup
+from bench.harness import Setup
 from examples.dflash.loops import Job, Placement
 
 
@@ -33,7 +33,7 @@ class Scale:
 
 
 class JobSetup(Setup):
-    """bench.pipeline's timing setup, with the job's own data (tokens and anchors)."""
+    """The harness's timing setup, with the job's own data (tokens and anchors)."""
 
     def batches(self, count: int) -> list[dict]:
         if len(self._made) < count:

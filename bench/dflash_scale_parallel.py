@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from bench.dflash_scale_common import Scale, timing_setup
-from bench.pipeline import step_time
+from bench.harness import step_time
 from examples.dflash.loops import PipelineLoop, Placement, build_models
 from examples.dflash.models import DRAFTERS
 

@@ -46,8 +46,16 @@ import torch
 
 from bench import fidelity, fidelity_report, kernels
 from bench.common import Context, Row, compare, counts_arg, interleaved_medians, not_run
-from bench.harness import executor_step, lanes_step, loop_baselines, n_lanes, sequential_step
-from bench.pipeline import Setup, step_time
+from bench.harness import (
+    Setup,
+    cpu_lanes,
+    executor_step,
+    lanes_step,
+    loop_baselines,
+    n_lanes,
+    sequential_step,
+    step_time,
+)
 from bench.real_target_common import (
     GRAPH_STEP_GOAL,
     NEEDS_GPU,
@@ -77,13 +85,8 @@ def run(ctx: Context) -> list[Row]:
             if size == "small" and options.fidelity and not options.compile_only:
                 rows += fidelity_rows(ctx)
         return rows
-    # CPU lanes share the host's cores: one intra-op thread each (as bench/pipeline.py).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with cpu_lanes():
         return measure_cpu(ctx, options)
-    finally:
-        torch.set_num_threads(threads)
 
 
 # --- one size ------------------------------------------------------------------------------

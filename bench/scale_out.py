@@ -37,7 +37,7 @@ import torch
 
 from bench import kernels
 from bench.common import Context, Row, compare, counts_arg, interleaved_medians, not_run
-from bench.harness import executor_step, lanes_step, on_device
+from bench.harness import cpu_lanes, executor_step, lanes_step, on_device
 from bench.real_target_common import CPU_SIZE, NEEDS_GPU
 from bench.scale_out_common import (
     SCALING,
@@ -61,13 +61,8 @@ def run(ctx: Context) -> list[Row]:
     options = ctx.options.get(SECTION) or Options()
     if ctx.gpus:
         return measure(ctx, options, make_setting(options, torch.cuda.device_count()))
-    # CPU lanes share the host's cores: one intra-op thread each (as bench/pipeline.py).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with cpu_lanes():
         return measure(ctx, options, make_setting(options, 0))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def measure(ctx: Context, options: Options, setting: Setting) -> list[Row]:

@@ -11,7 +11,7 @@ import torch
 
 from bench import kernels
 from bench.common import Context, Row, compare, not_run
-from bench.pipeline import Setup, drafter_stage, step_time, synchronize, time_stages
+from bench.harness import Setup, drafter_stage, step_time, synchronize, time_stages
 from bench.scale_out_common import OVERLAP_GOAL, SECTION, Options, Setting
 from examples.dflash.loops import Job, PipelineLoop, Placement, build_models
 

@@ -316,7 +316,7 @@ def test_plot_is_written_with_nothing_measured(tmp_path):
 
 
 def test_pipeline_setup_makes_its_batches_once():
-    from bench.pipeline import Setup
+    from bench.harness import Setup
     from examples.dflash.loops import Job, Placement
     from examples.dflash.models import TINY_DRAFTER, TINY_TARGET
 
@@ -740,7 +740,8 @@ def test_relative_error_and_cutting_padding():
 def test_call_comparison_names_the_kernel_that_changes_bits():
     import torch
 
-    from bench.fidelity import Call, compare_calls, explain_calls
+    from bench.fidelity_probes import Call, compare_calls
+    from bench.fidelity_report import explain_calls
 
     x = torch.ones(1, 4, 2)
     eager = [Call("l0", "Linear", x, x), Call("gdr", "chunk", x, x), Call("l1", "Linear", x, x)]
