@@ -1,5 +1,6 @@
 """What every benchmark section shares: the context it runs in, the rows it returns,
-and the timing helpers. A section is a module with `run(ctx) -> list[Row]`."""
+and the timing helpers. A section is a module with `run(ctx) -> list[Row]`; the
+baselines the DFlash-style sections measure against are in bench/harness.py."""
 
 from __future__ import annotations
 

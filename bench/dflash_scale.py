@@ -24,37 +24,27 @@ every ratio against them is a cross-run comparison, and the rows say so.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import re
-import subprocess
 import sys
-import tempfile
 import time
-from collections import defaultdict
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench import limits
 from bench.common import Context, Row, compare, not_run
-from bench.pipeline import Setup, step_time
-from examples.dflash.hf import HFTargetConfig, dflash_layers
-from examples.dflash.loops import (
-    Job,
-    Models,
-    PipelineLoop,
-    Placement,
-    build_models,
-    drafter_loss,
-    executor_steps,
-    sequential_steps,
-    target_forward,
+from bench.dflash_scale_common import Scale, peak_bytes, reset_peak, synchronize, timing_setup
+from bench.dflash_scale_parallel import data_parallel_rate, torchrun_time
+from bench.dflash_scale_stages import (
+    device_inputs,
+    drafter_alone,
+    drafter_step,
+    kernel_breakdown,
+    target_alone,
 )
-from examples.dflash.models import DFLASH_B16, DRAFTERS, drafter_parameters
+from bench.harness import loop_baselines, step_time
+from examples.dflash.hf import HFTargetConfig, dflash_layers
+from examples.dflash.loops import Job, Models, PipelineLoop, Placement, build_models
+from examples.dflash.models import DFLASH_B16, drafter_parameters
 
 SECTION = "dflash_scale"
 SEQ, BATCH = 768, 2
@@ -91,34 +81,6 @@ SETUP_DIFFERENCES = (
     "colocated, random weights and synthetic tokens at exactly 768"
 )
 
-# Kernel names by kind, for where the drafter's GPU time goes (first match wins).
-KINDS = (
-    ("attention", re.compile(r"fmha|flash|attention|attn|cudnn", re.I)),
-    ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|matmul|sm90_|sm80_|cublas", re.I)),
-    ("optimizer", re.compile(r"adam|multi_tensor", re.I)),
-    ("loss (softmax, argmax, gather)", re.compile(r"softmax|argmax|arg_max|scatter|gather", re.I)),
-    ("copies", re.compile(r"memcpy|memset|copy|cat", re.I)),
-)
-
-
-@dataclasses.dataclass
-class Scale:
-    """The workload and how long to time it."""
-
-    job: Job
-    placement: Placement
-    steps: int  # timed optimizer steps per loop
-    reps: int  # repetitions of a timed measurement
-    warmup: int  # untimed steps first
-
-    @property
-    def on_gpu(self) -> bool:
-        return self.placement.targets[0].startswith("cuda")
-
-    @property
-    def samples_per_step(self) -> int:
-        return self.job.accumulate * self.job.batch
-
 
 def make_scale(ctx: Context) -> Scale:
     """The published shapes on cuda:0. Default: accumulation 4, 3 timed steps (about a
@@ -130,149 +92,13 @@ def make_scale(ctx: Context) -> Scale:
     return Scale(job, Placement(("cuda:0",), ("cuda:0",)), steps, reps=2 if full else 1, warmup=1)
 
 
-class _Setup(Setup):
-    """bench.pipeline's timing setup, with the job's own data (tokens and anchors)."""
-
-    def batches(self, count: int) -> list[dict]:
-        if len(self._made) < count:
-            self._made = self.job.data(seed=self.job.seed).batches(0, count, pin=self.on_gpu)
-        return self._made[:count]
-
-
-def _setup(scale: Scale, placement: Placement | None = None) -> _Setup:
-    return _Setup(
-        scale.job,
-        placement or scale.placement,
-        steps=scale.steps,
-        reps=scale.reps,
-        warmup=scale.warmup,
-        on_gpu=scale.on_gpu,
-    )
-
-
-def synchronize(scale: Scale) -> None:
-    for device in {*scale.placement.lanes}:
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
-
-
-def peak_bytes(scale: Scale) -> int | None:
-    return torch.cuda.max_memory_allocated(0) if scale.on_gpu else None
-
-
-def reset_peak(scale: Scale) -> None:
-    if scale.on_gpu:
-        synchronize(scale)
-        torch.cuda.reset_peak_memory_stats(0)
-
-
-# --- the stages alone -------------------------------------------------------------------------
-@dataclasses.dataclass
-class Stage:
-    cost: limits.Cost  # per call
-    flops: int  # per call
-    peak: int | None  # allocator peak while measured
-
-
-def device_inputs(scale: Scale, models: Models, batches: list[dict]) -> list[dict]:
-    """The drafter's inputs as the pipeline hands them over: target outputs on its device."""
-    device = scale.placement.targets[0]
-    forward = target_forward(models.targets[0])
-    with torch.no_grad():
-        out = [forward({k: t.to(device) for k, t in b.items()}) for b in batches]
-    synchronize(scale)
-    return out
-
-
-def target_alone(scale: Scale, models: Models, batch: dict) -> Stage:
-    """One prefill of a microbatch, as the target lane runs it."""
-    forward = target_forward(models.targets[0])
-    batch = {k: t.to(scale.placement.targets[0]) for k, t in batch.items()}
-
-    def prefill() -> None:
-        with torch.no_grad():
-            forward(batch)
-
-    flops = limits.count_flops(prefill)
-    reset_peak(scale)
-    cost = limits.measure(prefill, reps=5 * scale.reps, warmup=2)
-    return Stage(cost, flops, peak_bytes(scale))
-
-
-def drafter_step(scale: Scale, models: Models, inputs: list[dict]) -> Callable[[], None]:
-    """One optimizer step of the drafter stage alone: a forward and backward per input,
-    then AdamW, as the pipeline's drafter lane runs them (no host sync inside)."""
-    drafter, optimizer = models.drafters[0], models.optimizers[0]
-
-    def step() -> None:
-        for x in inputs:
-            with torch.autograd.set_multithreading_enabled(False):  # as the pipeline
-                (drafter_loss(drafter, x) / len(inputs)).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
-
-
-def drafter_alone(scale: Scale, models: Models, inputs: list[dict]) -> Stage:
-    drafter = models.drafters[0]
-    step = drafter_step(scale, models, inputs)
-
-    def microbatch() -> None:
-        drafter_loss(drafter, inputs[0]).backward()
-
-    # FLOPs of the optimizer step are not counted (elementwise), as MFU conventions do.
-    flops = limits.count_flops(microbatch) * len(inputs)
-    models.optimizers[0].zero_grad(set_to_none=True)
-    reset_peak(scale)
-    cost = limits.measure(step, reps=scale.reps + 1, warmup=1)
-    return Stage(cost, flops, peak_bytes(scale))
-
-
-def kernel_breakdown(step: Callable[[], None], on_gpu: bool) -> dict[str, Any] | None:
-    """GPU time of one call of step() by kind of kernel, and its top kernels."""
-    if not on_gpu:
-        return None
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with limits.profile(activities) as prof:
-        step()
-        torch.cuda.synchronize()
-    by_name: dict[str, float] = defaultdict(float)
-    for event in prof.profiler.kineto_results.events():
-        if event.device_type() == torch.autograd.DeviceType.CUDA:
-            by_name[event.name()] += event.duration_ns() / 1e6
-    return summarize_kernels(by_name)
-
-
-def summarize_kernels(by_name: dict[str, float], top: int = 8) -> dict[str, Any]:
-    """{"total_ms", "by_kind_ms", "top": [(name, ms), ...]} of kernel times by name."""
-    by_kind: dict[str, float] = defaultdict(float)
-    for name, ms in by_name.items():
-        kind = next((k for k, pattern in KINDS if pattern.search(name)), "other elementwise")
-        by_kind[kind] += ms
-    ranked = sorted(by_name.items(), key=lambda item: -item[1])[:top]
-    return {
-        "total_ms": sum(by_name.values()),
-        "by_kind_ms": dict(sorted(by_kind.items(), key=lambda item: -item[1])),
-        "top": [(name[:120], ms) for name, ms in ranked],
-    }
-
-
 # --- the loops --------------------------------------------------------------------------------
 def loop_times(ctx: Context, scale: Scale, models: Models) -> dict[str, Any]:
     """Seconds per optimizer step of the sequential loop, the executor loop and the
     pipeline on the same models, and the pipeline's allocator peak."""
     job, placement = scale.job, scale.placement
-    setup = _setup(scale)
-    out: dict[str, Any] = {}
-    ctx.progress("dflash_scale: sequential loop")
-    out["sequential"] = step_time(
-        setup, lambda b, n: sequential_steps(models, placement, job, b, n)
-    )
-    ctx.progress("dflash_scale: executor loop")
-    out["executor"] = step_time(
-        setup, lambda b, n: executor_steps(models, placement, job, b, n, depth=2)
-    )
+    setup = timing_setup(scale)
+    out: dict[str, Any] = loop_baselines(setup, models, ctx.progress, "dflash_scale: ")
     ctx.progress("dflash_scale: pipeline")
     loop = PipelineLoop(models, placement, job, depth=2)
     try:
@@ -283,66 +109,6 @@ def loop_times(ctx: Context, scale: Scale, models: Models) -> dict[str, Any]:
     finally:
         loop.close()
     return out
-
-
-def data_parallel_rate(scale: Scale, devices: list[str]) -> tuple[float, float]:
-    """(samples/s, seconds per optimizer step) with a target and a drafter replica on
-    each device, one process driving all of them through the pipeline: microbatch k runs
-    on device k % n, and the replicas' gradients are summed before each step. The
-    accumulation is rounded up to a multiple of n."""
-    n = len(devices)
-    accumulate = -(-scale.job.accumulate // n) * n
-    job = dataclasses.replace(scale.job, accumulate=accumulate)
-    placement = Placement(tuple(devices), tuple(devices))
-    sub = dataclasses.replace(scale, job=job, placement=placement)
-    loop = PipelineLoop(build_models(job, placement), placement, job, depth=2 * n)
-    try:
-        setup = _setup(sub, placement)
-        loop.warm_up(setup.batches(1)[0])
-        step = step_time(setup, loop.steps)
-    finally:
-        loop.close()
-    return accumulate * job.batch / step, step
-
-
-def torchrun_command(scale: Scale, n: int, out: Path, steps: int) -> list[str]:
-    """The example under torchrun, one process per GPU (each: target and DDP drafter on
-    its own GPU), at the scale's shapes."""
-    job = scale.job
-    layers = ",".join(str(i) for i in job.target.capture_layers)
-    named = [name for name, cfg in DRAFTERS.items() if cfg == job.drafter]
-    if not named:
-        raise ValueError(f"expected a drafter named in DRAFTERS, got {job.drafter}")
-    drafter = named[0]
-    script = Path(__file__).resolve().parents[1] / "examples" / "train_dflash_online.py"
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={n}",
-        str(script),
-        f"--target-config={job.target.source}",
-        f"--target-layers={layers}",
-        f"--drafter-config={drafter}",
-        f"--seq={job.seq}",
-        f"--batch={job.batch}",
-        f"--accumulate={job.accumulate}",
-        f"--steps={steps}",
-        f"--log-every={steps}",
-        f"--out={out}",
-        "--no-plot",
-    ]
-
-
-def torchrun_time(scale: Scale, n: int, steps: int, timeout: float = 300) -> float:
-    """Seconds per optimizer step of rank 0 under torchrun with n processes."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = torchrun_command(scale, n, Path(tmp), steps)
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        subprocess.run(cmd, check=True, timeout=timeout, env=env, capture_output=True)
-        summary = json.loads((Path(tmp) / "summary.json").read_text())
-    return summary["step_time_s"]
 
 
 # --- rows -------------------------------------------------------------------------------------

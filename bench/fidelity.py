@@ -24,7 +24,8 @@ before and after the capture, and then repeated under candidate remedies (cuDNN 
 reduced-precision bf16 reductions, cuBLAS instead of cuBLASLt, the math SDPA backend)
 to see which, if any, brings capture to the eager bits.
 
-real_target reports the first rows for dense and MoE; the diagnostic runs alone:
+real_target reports the first rows for dense and MoE (bench/fidelity_report.py); the
+probes are in bench/fidelity_probes.py. The diagnostic runs alone:
 
     python -m bench.fidelity [--configs dense,moe] [--size qwen3-next-small] [--seq 700]
         [--no-diagnose] [--json FILE]
@@ -33,34 +34,31 @@ real_target reports the first rows for dense and MoE; the diagnostic runs alone:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from bench import kernels
+from bench.fidelity_probes import (
+    REMEDIES,
+    Call,
+    Probes,
+    autotuner_choices,
+    compare_calls,
+    rel_err,
+)
+from bench.fidelity_report import format_result
 
 SEQ = 700  # not a bucket: TargetGraphs pads it to 1024
 DATA_SEED = 11
 CONFIGS = ("dense", "moe")
-
-
-def rel_err(a: Any, b: Any) -> float:
-    """‖a - b‖ / ‖b‖ over every tensor leaf, in float32; inf when the shapes differ."""
-    xs = [x for x in pytree.tree_leaves(a) if isinstance(x, torch.Tensor)]
-    ys = [y for y in pytree.tree_leaves(b) if isinstance(y, torch.Tensor)]
-    if len(xs) != len(ys) or any(x.shape != y.shape for x, y in zip(xs, ys, strict=True)):
-        return float("inf")
-    num = sum(float((x.float() - y.float()).pow(2).sum()) for x, y in zip(xs, ys, strict=True))
-    den = sum(float(y.float().pow(2).sum()) for y in ys)
-    return (num / den) ** 0.5 if den else (0.0 if num == 0 else float("inf"))
 
 
 def features(out: Any) -> Any:
@@ -69,19 +67,6 @@ def features(out: Any) -> Any:
     if isinstance(out, dict) and "features" in out:
         return out["features"]
     return out
-
-
-def cut(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
-    """`x` narrowed to `like`'s shape where one dimension is longer (the padding), else
-    None when the shapes cannot be matched that way."""
-    if x.shape == like.shape:
-        return x
-    if x.dim() != like.dim():
-        return None
-    longer = [d for d in range(x.dim()) if x.shape[d] != like.shape[d]]
-    if len(longer) != 1 or x.shape[longer[0]] < like.shape[longer[0]]:
-        return None
-    return x.narrow(longer[0], 0, like.shape[longer[0]])
 
 
 def cut_output(out: Any, t: int) -> Any:
@@ -147,193 +132,6 @@ def eager(forward: Callable, batch: dict) -> Any:
         out = forward(batch)
     torch.cuda.synchronize()
     return pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, out)
-
-
-# --- probes ----------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Call:
-    name: str  # where: a module's name, or the function's
-    kind: str  # what: a module's class, or the function
-    input: torch.Tensor | None
-    output: torch.Tensor | None
-
-
-class Probes:
-    """Records the first tensor in and out of every leaf module and of the modeling
-    code's kernel functions, as clones: inside a capture the clones are captured too,
-    so after a replay they hold the replay's values."""
-
-    FUNCTIONS = (
-        "torch_chunk_gated_delta_rule",
-        "causal_conv1d_fn",
-    )
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.calls: list[Call] = []
-        self.on = False
-        self._undo: list[Callable[[], None]] = []
-        for name, module in model.named_modules():
-            if name and not any(True for _ in module.children()):
-                handle = module.register_forward_hook(self._hook(name, type(module).__name__))
-                self._undo.append(handle.remove)
-        modeling = kernels._modeling()
-        for fn_name in self.FUNCTIONS:
-            self._wrap(modeling, fn_name, fn_name)
-        self._wrap(torch.nn.functional, "scaled_dot_product_attention", "sdpa")
-
-    def _hook(self, name: str, kind: str) -> Callable:
-        def hook(module: Any, args: Any, output: Any) -> None:
-            self._keep(name, kind, args, output)
-
-        return hook
-
-    def _wrap(self, owner: Any, attr: str, kind: str) -> None:
-        original = getattr(owner, attr, None)
-        if original is None:
-            return
-
-        def probed(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            self._keep(kind, kind, args, out)
-            return out
-
-        setattr(owner, attr, probed)
-        self._undo.append(lambda: setattr(owner, attr, original))
-
-    def _keep(self, name: str, kind: str, args: Any, output: Any) -> None:
-        if not self.on:
-            return
-        first = [x for x in pytree.tree_leaves((args, output)) if isinstance(x, torch.Tensor)]
-        ins = [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-        outs = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)]
-        if not first:
-            return
-        self.calls.append(
-            Call(
-                name,
-                kind,
-                ins[0].detach().clone() if ins else None,
-                outs[0].detach().clone() if outs else None,
-            )
-        )
-
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[list[Call]]:
-        self.calls = []
-        self.on = True
-        try:
-            yield self.calls
-        finally:
-            self.on = False
-
-    def remove(self) -> None:
-        for undo in reversed(self._undo):
-            undo()
-        self._undo.clear()
-
-
-def compare_calls(reference: list[Call], other: list[Call]) -> dict[str, Any]:
-    """Call by call (outputs of `other` cut to `reference`'s shapes where padded): the
-    first call that differs, and per kind the calls whose output differs although their
-    input is bit-equal (the kernels that change the bits)."""
-    result: dict[str, Any] = {"calls": len(reference), "aligned": True, "first": None}
-    if [c.name for c in reference] != [c.name for c in other]:
-        result["aligned"] = False
-        return result
-    by_kind: dict[str, dict[str, Any]] = {}
-    previous_equal = True
-    for index, (a, b) in enumerate(zip(reference, other, strict=True)):
-        kind = by_kind.setdefault(a.kind, {"calls": 0, "changed": 0, "max": 0.0})
-        kind["calls"] += 1
-        same_in = _equal(a.input, b.input)
-        err = _err(a.output, b.output)
-        if same_in and err != 0.0:
-            kind["changed"] += 1
-            kind["max"] = max(kind["max"], err)
-        if result["first"] is None and (not same_in or err != 0.0):
-            result["first"] = {
-                "index": index,
-                "name": a.name,
-                "kind": a.kind,
-                "input_equal": same_in,
-                "output_error": err,
-                # An input that differs after equal outputs: an unprobed op in between.
-                "between_probes": not same_in and previous_equal,
-            }
-        previous_equal = err == 0.0
-    result["by_kind"] = by_kind
-    return result
-
-
-def _equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    b = cut(b, a)
-    return b is not None and bool(torch.equal(a, b))
-
-
-def _err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
-    if a is None or b is None:
-        return 0.0 if a is None and b is None else float("inf")
-    b = cut(b, a)
-    if b is None:
-        return float("inf")
-    return rel_err(a, b)
-
-
-def autotuner_choices() -> dict[str, str]:
-    """Every Triton autotuner's cache: "kernel key" -> the config chosen."""
-    try:
-        from triton.runtime.autotuner import Autotuner
-    except ImportError:
-        return {}
-    out = {}
-    for obj in gc.get_objects():
-        # type(), not isinstance(): isinstance reads obj.__class__, and some objects warn
-        # on any attribute read (torch.distributed's deprecated reduce_op).
-        if issubclass(type(obj), Autotuner):
-            name = getattr(getattr(obj, "fn", None), "__name__", type(obj).__name__)
-            for key, config in dict(getattr(obj, "cache", {}) or {}).items():
-                out[f"{name} {key}"] = str(config)
-    return out
-
-
-# --- remedies --------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _matmul_flag(name: str, value: Any) -> Iterator[None]:
-    before = getattr(torch.backends.cuda.matmul, name)
-    setattr(torch.backends.cuda.matmul, name, value)
-    try:
-        yield
-    finally:
-        setattr(torch.backends.cuda.matmul, name, before)
-
-
-@contextlib.contextmanager
-def _blas(name: str) -> Iterator[None]:
-    before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(name)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
-
-
-def _sdpa_math() -> Any:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel(SDPBackend.MATH)
-
-
-REMEDIES: dict[str, Callable[[], Any]] = {
-    "as is": contextlib.nullcontext,
-    "cuDNN off": lambda: torch.backends.cudnn.flags(enabled=False),
-    "no reduced-precision bf16 reductions": lambda: _matmul_flag(
-        "allow_bf16_reduced_precision_reduction", False
-    ),
-    "cuBLAS, not cuBLASLt": lambda: _blas("cublas"),
-    "SDPA math backend": _sdpa_math,
-}
 
 
 # --- one config ------------------------------------------------------------------------------
@@ -482,168 +280,6 @@ def diagnosis(target: Target, big: dict, t: int) -> dict[str, Any]:
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0][:160] if lines else ""
-
-
-# --- rows (real_target) ----------------------------------------------------------------------
-def row(section: str, result: dict[str, Any]) -> Any:
-    from bench.common import compare
-
-    e = result["errors"]
-    note = (
-        f"relative error of the features; capture alone (graph vs eager "
-        f"on the same padded input) {pct(e['graph_vs_padded'])}, plain torch.cuda.graph "
-        f"{pct(e['plain_capture'])}, the lane's thread and stream {pct(e['lane'])}, eager "
-        f"run twice {pct(e['eager_repeat'])}; {kernels.note(result['kernels'])}"
-    )
-    if result["autotune"]["changed"] or result["autotune"]["new"]:
-        note += (
-            f"; autotuner keys chosen while graphs were captured: "
-            f"{len(result['autotune']['new'])} new, {len(result['autotune']['changed'])} changed"
-        )
-    return compare(
-        section,
-        f"{result['label']}: graph output vs eager, relative error",
-        e["graph"],
-        "fraction",
-        "noise floor: eager padded vs eager",
-        e["padding"],
-        note=note,
-        errors=e,
-        kernels=result["kernels"],
-        flags=result["flags"],
-        autotune=result["autotune"],
-    )
-
-
-# --- the diagnostic's report -----------------------------------------------------------------
-def pct(x: Any) -> str:
-    if isinstance(x, str):
-        return x
-    return "n/a" if x is None else "shapes differ" if x == float("inf") else f"{x * 100:.3f} %"
-
-
-LINES = (
-    ("eager_repeat", "eager vs eager, unpadded, run twice", "determinism"),
-    ("padding", "eager padded, cut back  vs  eager", "padding alone: the noise floor"),
-    ("graph", "TargetGraphs on a lane  vs  eager", "what a user gets"),
-    ("graph_vs_padded", "TargetGraphs on a lane  vs  eager padded", "capture + lane, same input"),
-    ("lane", "eager padded on a lane  vs  eager padded", "the lane's thread and stream"),
-    ("plain_capture", "torch.cuda.graph  vs  eager padded", "capture alone, no pydflash"),
-    ("eager_after_capture", "eager padded after captures  vs  before", "state the captures left"),
-)
-
-
-def format_result(result: dict[str, Any]) -> str:
-    e = result["errors"]
-    out = [
-        f"== {result['label']} ==",
-        kernels.note(result["kernels"]),
-        "flags: " + ", ".join(f"{k} {v}" for k, v in result["flags"].items()),
-        "relative error ‖a - b‖ / ‖b‖ of the features:",
-    ]
-    for key, what, isolates in LINES:
-        out.append(f"  {what:44s} {isolates:32s} {pct(e[key])}")
-    a = result["autotune"]
-    out.append(
-        f"Triton autotuner keys: {a['keys']}; first chosen during TargetGraphs/plain capture: "
-        f"{len(a['new'])}; changed: {len(a['changed'])}"
-        + (f" ({', '.join((a['new'] + a['changed'])[:4])})" if a["new"] or a["changed"] else "")
-    )
-    if "diagnosis_failed" in result:
-        out.append(f"the call-by-call diagnosis failed: {result['diagnosis_failed']}")
-    d = result.get("diagnosis")
-    if d:
-        out.append("where the bits change, call by call (probed leaf modules and kernels):")
-        for title, comparison in (
-            ("capture (plain capture vs eager, same padded input)", d["capture"]),
-            ("padding (eager padded vs eager unpadded)", d["padding"]),
-        ):
-            out.append(f"  {title}:")
-            out += [f"    {line}" for line in explain_calls(comparison)]
-        a = d["autotune_during_capture"]
-        out.append(
-            f"  autotuner keys first chosen inside the capture: {len(a['new'])}, changed: "
-            f"{len(a['changed'])}"
-        )
-        out.append("plain capture vs eager padded, both under each setting:")
-        for name, err in d["remedies"].items():
-            out.append(f"  {name:40s} {pct(err)}")
-    out.append("reading: " + reading(result))
-    return "\n".join(out)
-
-
-def explain_calls(comparison: dict[str, Any]) -> list[str]:
-    if not comparison["aligned"]:
-        return ["the two runs made different calls: cannot compare call by call"]
-    first = comparison["first"]
-    if first is None:
-        return [f"all {comparison['calls']} calls bit-identical"]
-    where = (
-        "its input already differs, after equal outputs: an unprobed op before it"
-        if first["between_probes"]
-        else "input equal, output differs"
-        if first["input_equal"]
-        else "input differs"
-    )
-    lines = [
-        f"first difference at call {first['index']} of {comparison['calls']}: "
-        f"{first['name']} ({first['kind']}): {where}; output {pct(first['output_error'])}"
-    ]
-    changed = {k: v for k, v in comparison["by_kind"].items() if v["changed"]}
-    same = [f"{k} {v['calls']}" for k, v in comparison["by_kind"].items() if not v["changed"]]
-    if changed:
-        lines.append(
-            "outputs that change with equal inputs: "
-            + ", ".join(
-                f"{k} {v['changed']} of {v['calls']} (max {pct(v['max'])})"
-                for k, v in changed.items()
-            )
-        )
-    lines.append("bit-identical whenever their inputs were: " + (", ".join(same) or "none"))
-    return lines
-
-
-def reading(result: dict[str, Any]) -> str:
-    """One sentence on what the figures say, for whoever reads the output alone."""
-    e = result["errors"]
-    tiny = 1e-6
-    parts = []
-    if e["eager_repeat"] > tiny:
-        parts.append("eager itself is not deterministic here, so every figure has that noise")
-    if e["graph"] <= max(e["padding"], tiny) * 1.05:
-        parts.append("the graph is within the padding floor: nothing beyond padding to remove")
-    else:
-        if e["lane"] > tiny:
-            parts.append("running on a lane changes the bits (thread or stream)")
-        if e["plain_capture"] > tiny and abs(e["plain_capture"] - e["graph_vs_padded"]) <= max(
-            0.25 * e["graph_vs_padded"], tiny
-        ):
-            parts.append(
-                "a plain torch.cuda.graph capture differs as much as TargetGraphs: the capture "
-                "itself changes kernels, not pydflash's padding or lanes"
-            )
-        elif e["graph_vs_padded"] > e["plain_capture"] + tiny:
-            parts.append(
-                "TargetGraphs differs more than a plain capture: look at what it does beyond "
-                "capturing (lane, warm-up calls, pool)"
-            )
-        if e["eager_after_capture"] > tiny:
-            parts.append("capturing changed what eager runs afterwards (a choice made again)")
-    d = result.get("diagnosis")
-    if d:
-        fixed = [
-            name
-            for name, err in d["remedies"].items()
-            if name != "as is" and isinstance(err, float) and err <= tiny < e["plain_capture"]
-        ]
-        if fixed:
-            parts.append(f"capture matches eager bit for bit with: {', '.join(fixed)}")
-        changed = [
-            k for k, v in d["capture"].get("by_kind", {}).items() if v["changed"]
-        ]  # the kernels whose bits capture changes
-        if changed:
-            parts.append(f"under capture these change their output: {', '.join(changed)}")
-    return "; ".join(parts) + "." if parts else "no difference anywhere."
 
 
 # --- command line ----------------------------------------------------------------------------

@@ -60,18 +60,12 @@ def run(ctx: Context) -> list[Row]:
             "forwards": ctx.reps(16, 4, default=8),
             "reps": ctx.reps(20, 6, default=10),
         }
-    import torch
+    from .harness import cpu_lanes
 
     rows: list[Row] = []
-    threads = torch.get_num_threads()
-    if not gpu:
-        # Each CPU lane runs its own ops; intra-op threads on top only oversubscribe the cores.
-        torch.set_num_threads(1)
-    try:
+    with contextlib.nullcontext() if gpu else cpu_lanes():
         for n in counts:
             rows += measure(ctx, n, gpu, trace=n == counts[0], **config)
-    finally:
-        torch.set_num_threads(threads)
     return rows
 
 

@@ -16,12 +16,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,13 +25,12 @@ import torch
 import pydflash
 from bench import pipeline_limits
 from bench.common import Context, Row, check
-from examples.dflash.data import MarkovTokens
+from bench.harness import Setup, cpu_lanes, step_time, synchronize
 from examples.dflash.loops import (
     Job,
     PipelineLoop,
     Placement,
     build_models,
-    drafter_loss,
     executor_steps,
     sequential_steps,
     target_forward,
@@ -48,41 +43,6 @@ CPU_NOTE = (
     "needs a GPU: on CPU lanes both stages compute on the host's shared cores, "
     "and tiny ops hold the GIL, so the stages cannot overlap"
 )
-
-
-@dataclasses.dataclass
-class Setup:
-    job: Job
-    placement: Placement
-    steps: int  # timed steps per repetition
-    reps: int
-    warmup: int  # untimed steps first
-    on_gpu: bool
-    _made: list[dict] = dataclasses.field(default_factory=list, repr=False)
-
-    @classmethod
-    def for_model(
-        cls, ctx: Context, job: Job, placement: Placement, *, steps: int | None, on_gpu: bool
-    ) -> Setup:
-        """A real model's pipeline timing (real_target, scale_out): `steps` timed steps
-        per repetition, default 8 (3 with --quick)."""
-        return cls(
-            job,
-            placement,
-            steps=steps or ctx.reps(8, 3, default=4),
-            reps=ctx.reps(3, 1, default=1),
-            warmup=ctx.reps(2, 1, default=1),
-            on_gpu=on_gpu,
-        )
-
-    def batches(self, count: int) -> list[dict]:
-        # Made once and reused by every loop: long sequences take seconds to generate.
-        if len(self._made) < count:
-            data = MarkovTokens(
-                self.job.target.vocab, self.job.seq, self.job.batch, seed=self.job.seed
-            )
-            self._made = data.batches(0, count, pin=self.on_gpu)
-        return self._made[:count]
 
 
 def make_setup(ctx: Context) -> Setup:
@@ -108,39 +68,6 @@ def make_setup(ctx: Context) -> Setup:
         )
     job = Job(TINY_TARGET, TINY_DRAFTER, seq=32, batch=2, accumulate=2, lr=3e-3)
     return Setup(job, placement, steps=ctx.reps(10, 3), reps=ctx.reps(3, 1), warmup=1, on_gpu=False)
-
-
-def synchronize(setup: Setup) -> None:
-    for device in set(setup.placement.lanes):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
-
-
-def step_time(
-    setup: Setup, make_steps: Callable[[list[dict], int], Iterator[Any]], *, run_ahead: bool = False
-) -> float:
-    """Median over repetitions of (wall time of `steps` steps) / steps, in seconds, after
-    `warmup` steps. Each repetition runs on data it has not seen. With run_ahead (a loop
-    that keeps microbatches of the next step in flight), the loop gets one step more than
-    is timed, so that the window ends as it starts; that step's queued work is cancelled."""
-    per_run = setup.warmup + setup.steps + run_ahead
-    size = per_run * setup.job.accumulate
-    batches = setup.batches(size * setup.reps)
-    samples = []
-    for rep in range(setup.reps):
-        steps = make_steps(batches[rep * size : (rep + 1) * size], per_run)
-        try:
-            for _ in range(setup.warmup):
-                next(steps)
-            synchronize(setup)
-            start = time.perf_counter()
-            for _ in range(setup.steps):
-                next(steps)
-            synchronize(setup)
-            samples.append((time.perf_counter() - start) / setup.steps)
-        finally:
-            steps.close()
-    return statistics.median(samples)
 
 
 def warm_targets(models, setup: Setup, batch: dict) -> None:
@@ -176,48 +103,6 @@ def loop_times(setup: Setup, ctx: Context) -> dict[str, float]:
     finally:
         loop.close()
     return times
-
-
-def drafter_stage(
-    setup: Setup, lane: Any, drafter: Any, optimizer: Any, inputs: list[dict]
-) -> Callable[[], None]:
-    """One step of the drafter stage alone, as the pipeline runs it on `lane`: a
-    forward/backward pass per input (already on the drafter's device), then the
-    optimizer step."""
-
-    def train() -> None:
-        for x in inputs:
-            with torch.autograd.set_multithreading_enabled(False):  # as the pipeline
-                (drafter_loss(drafter, x) / setup.job.accumulate).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    def step() -> None:
-        lane.submit(train).result()
-        synchronize(setup)
-
-    return step
-
-
-def time_stages(
-    setup: Setup,
-    stages: dict[str, Callable[[], None]],
-    announce: Callable[[str], None] = lambda name: None,
-) -> dict[str, float]:
-    """Median seconds per step of each stage, after `setup.warmup` untimed steps."""
-    result = {}
-    for name, step in stages.items():
-        announce(name)
-        for _ in range(setup.warmup):
-            step()
-        samples = []
-        for _ in range(setup.reps):
-            start = time.perf_counter()
-            for _ in range(setup.steps):
-                step()
-            samples.append((time.perf_counter() - start) / setup.steps)
-        result[name] = statistics.median(samples)
-    return result
 
 
 def memory_by_depth(setup: Setup, ctx: Context) -> list[dict[str, Any]]:
@@ -262,14 +147,8 @@ def run(ctx: Context) -> list[Row]:
     setup = make_setup(ctx)
     if setup.on_gpu:
         return measure(setup, ctx)
-    # CPU lanes share the host's cores: one intra-op thread each keeps OpenMP teams
-    # from waiting on descheduled threads, which would dominate every timing here.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with cpu_lanes():
         return measure(setup, ctx)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def measure(setup: Setup, ctx: Context) -> list[Row]:

@@ -39,93 +39,38 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import json
-import os
-import signal
-import statistics
-import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable
-from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench import fidelity, kernels
+from bench import fidelity, fidelity_report, kernels
 from bench.common import Context, Row, compare, counts_arg, interleaved_medians, not_run
-from bench.pipeline import Setup, step_time
-from examples.dflash.data import MarkovTokens
-from examples.dflash.hf import QWEN3_NEXT, HFTarget, HFTargetConfig, default_layers
-from examples.dflash.loops import (
-    Job,
-    PipelineLoop,
-    Placement,
-    build_models,
-    executor_steps,
-    sequential_steps,
-    target_forward,
+from bench.harness import (
+    Setup,
+    cpu_lanes,
+    executor_step,
+    lanes_step,
+    loop_baselines,
+    n_lanes,
+    sequential_step,
+    step_time,
 )
-from examples.dflash.models import TINY_DRAFTER, DrafterConfig
+from bench.real_target_common import (
+    GRAPH_STEP_GOAL,
+    NEEDS_GPU,
+    PIPELINE_GOAL,
+    SECTION,
+    SIZES,
+    Bench,
+    Options,
+    make_bench,
+)
+from bench.real_target_compile import compile_main, compiled_rows
+from bench.real_target_large import measure_large
+from examples.dflash.loops import PipelineLoop, build_models, target_forward
 from pydflash import Dispatcher, TargetGraphs
 from pydflash.pipeline.stages import EagerTarget
-
-SECTION = "real_target"
-ROOT = Path(__file__).resolve().parents[1]
-# size -> (config name in examples/dflash/hf.py, tokens per sequence, quick tokens)
-SIZES = {
-    "small": ("qwen3-next-small", 1024, 1024),
-    "medium": ("qwen3-next-medium", 4096, 2048),
-    "large": ("qwen3-next-large", 2048, 2048),  # the longest microbatch; see LARGE
-}
-# The scale users train at (examples/dflash/hf.py), dense.
-LARGE = dict(QWEN3_NEXT["qwen3-next-large"], num_experts=0)
-LARGE_LENGTHS = (512, 2048)  # microbatch lengths drawn between these
-LARGE_MICROBATCHES = 8
-CPU_SIZE = ("qwen3-next-tiny", 32)
-GRAPH_STEP_GOAL = "<= 0.2"  # small, 4 lanes: graph lanes vs eager sequential
-PIPELINE_GOAL = "<= 0.5"  # small: pipeline with graph target vs executor loop, eager target
-NEEDS_GPU = "needs a GPU: CUDA graphs replay on a GPU stream"
-
-
-@dataclasses.dataclass
-class Options:
-    """What to measure; None picks the default for the run (quick or full)."""
-
-    sizes: tuple[str, ...] | None = None  # default: small; --full all; --quick small, medium
-    lanes: tuple[int, ...] | None = None  # default: 1, 4; --full and --quick 1, 2, 4
-    batch: int = 1
-    seq: dict[str, int | None] = dataclasses.field(default_factory=dict)
-    reps: int | None = None  # target-step samples per alternative (20 full, 8, 5 quick)
-    pipeline_steps: int | None = None  # timed optimizer steps per repetition
-    accumulate: int = 4
-    ratio: str = "1:1"  # pipeline target:drafter lanes, all on cuda:0
-    moe: bool = False
-    fidelity: bool = True  # graph vs eager error rows, dense and MoE (GPU)
-    # torch.compile's first call may take minutes: --full only, the small size, with a
-    # limit that keeps the section within 8 minutes on one H200.
-    compile_timeout: float | None = None  # seconds (180 with --full, else skipped); 0 skips
-    compile_sizes: tuple[str, ...] = ("small",)
-    compile_only: bool = False  # only the torch.compile rows: the whole time limit for them
-
-    def seq_of(self, size: str, quick: bool) -> int:
-        _, full, short = SIZES[size]
-        return self.seq.get(size) or (short if quick else full)
-
-    def for_run(self, ctx: Context) -> Options:
-        """These options with what was left to the run's mode filled in."""
-        return dataclasses.replace(
-            self,
-            sizes=self.sizes
-            or ctx.pick(("small", "medium", "large"), ("small", "medium"), ("small",)),
-            lanes=self.lanes or ctx.pick((1, 2, 4), (1, 2, 4), (1, 4)),
-            reps=self.reps or ctx.reps(20, 5, default=8),
-            compile_timeout=(
-                self.compile_timeout if self.compile_timeout is not None else ctx.reps(180, 0, 0)
-            ),
-        )
 
 
 def run(ctx: Context) -> list[Row]:
@@ -140,59 +85,11 @@ def run(ctx: Context) -> list[Row]:
             if size == "small" and options.fidelity and not options.compile_only:
                 rows += fidelity_rows(ctx)
         return rows
-    # CPU lanes share the host's cores: one intra-op thread each (as bench/pipeline.py).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with cpu_lanes():
         return measure_cpu(ctx, options)
-    finally:
-        torch.set_num_threads(threads)
 
 
 # --- one size ------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Bench:
-    """One size's target, data and what the rows say about it."""
-
-    size: str
-    name: str
-    job: Job
-    placement: Placement
-    on_gpu: bool
-    kernels: dict[str, str] = dataclasses.field(default_factory=dict)  # what eager runs
-
-    @property
-    def device(self) -> str:
-        return self.placement.targets[0]
-
-    def batches(self, count: int, seed: int = 7) -> list[dict]:
-        data = MarkovTokens(self.job.target.vocab, self.job.seq, self.job.batch, seed=seed)
-        return [{k: t.to(self.device) for k, t in b.items()} for b in data.batches(0, count)]
-
-    def rate(self, seconds: float, microbatches: int) -> str:
-        samples = microbatches * self.job.batch / seconds
-        return f"{samples:,.1f} samples/s, {samples * self.job.seq:,.0f} tokens/s"
-
-    def synchronize(self) -> None:
-        if self.on_gpu:
-            torch.cuda.synchronize(self.device)
-
-    def kernels_note(self) -> str:
-        return kernels.note(self.kernels) if self.kernels else ""
-
-
-def make_bench(ctx: Context, options: Options, size: str) -> Bench:
-    if ctx.gpus:
-        config, seq, batch = SIZES[size][0], options.seq_of(size, ctx.quick), options.batch
-        drafter, device = DrafterConfig(), "cuda:0"
-    else:
-        (config, seq), batch, drafter, device = CPU_SIZE, 2, TINY_DRAFTER, "cpu"
-    target = HFTargetConfig.load(config, moe=options.moe)
-    job = Job(target, drafter, seq=seq, batch=batch, accumulate=options.accumulate, lr=3e-4)
-    label = f"{size} ({config}{', MoE' if options.moe else ''}, {batch}x{seq})"
-    return Bench(size, label, job, Placement.parse([device], options.ratio), device != "cpu")
-
-
 def measure_size(ctx: Context, options: Options, size: str) -> list[Row]:
     options = options.for_run(ctx)
     if size == "large":
@@ -230,130 +127,6 @@ def measure_cpu(ctx: Context, options: Options) -> list[Row]:
     return rows
 
 
-# --- large ---------------------------------------------------------------------------------
-def build_large(device: str) -> HFTarget:
-    """LARGE with random weights, made on the GPU in bf16 (a CPU build of 23 B parameters
-    would take minutes and 47 GB of host memory)."""
-    from transformers import AutoModelForCausalLM, Qwen3NextConfig
-
-    config = Qwen3NextConfig(**LARGE)
-    torch.manual_seed(0)
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    finally:
-        torch.set_default_dtype(dtype)
-    layers = default_layers(config.num_hidden_layers)
-    return HFTarget(model, layers).eval().requires_grad_(False)
-
-
-def measure_large(ctx: Context, options: Options) -> list[Row]:
-    """Microbatches of mixed lengths through the eager loop and through graph lanes on 1
-    and 2 lanes of one GPU; and what TargetGraphs chose for them."""
-    low, high = LARGE_LENGTHS
-    name = f"large (23B hybrid, {LARGE_MICROBATCHES} microbatches of {low}-{high} tokens)"
-    device = "cuda:0"
-    ctx.progress(f"{name}: building on the GPU")
-    model = build_large(device)
-    forward = target_forward(model)
-    generator = torch.Generator().manual_seed(7)
-    lengths = [
-        int(t) for t in torch.randint(low, high + 1, (LARGE_MICROBATCHES,), generator=generator)
-    ]
-    batches = [
-        {"input_ids": torch.randint(LARGE["vocab_size"], (1, t), generator=generator).to(device)}
-        for t in lengths
-    ]
-    ctx.progress(f"{name}: warm-up (compiles and autotunes the target's kernels)")
-    with torch.no_grad():
-        forward(batches[0])
-    torch.cuda.synchronize(device)
-    found = kernels.describe(model, forward, batches[0])
-    lanes_of = (1, 2)
-    dispatcher = Dispatcher([device] * max(lanes_of))
-    lanes = dispatcher.lanes
-    graphs = TargetGraphs(forward)
-
-    def eager_loop() -> None:
-        with torch.no_grad():
-            for batch in batches:
-                forward(batch)
-        torch.cuda.synchronize(device)
-
-    def graph_step(n: int) -> None:
-        futures = [graphs.submit(lanes[k % n], b) for k, b in enumerate(batches)]
-        results = [future.result() for future in futures]
-        torch.cuda.synchronize(device)
-        for result in results:
-            graphs.release(result)
-
-    try:
-        buckets = sorted({fidelity.bucket_of(t) for t in lengths})
-        for lane in lanes:  # one lane at a time: a capture beside another lane's work can fail
-            ctx.progress(f"{name}: capturing buckets {buckets} on {lane.label}")
-            graphs.warmup([lane], batches[0], [(1, b) for b in buckets])
-        reps = ctx.reps(4, 1, default=2)
-        ctx.progress(f"{name}: eager loop and graph lanes, {reps} samples each")
-        fns = {"eager": eager_loop}
-        for n in lanes_of:
-            fns[f"graphs{n}"] = lambda n=n: graph_step(n)
-        times = interleaved_medians(fns, reps, warmup=1)
-        stats = graphs.stats()
-    finally:
-        dispatcher.shutdown()
-    tokens = sum(lengths)
-    eager_s = times["eager"]
-    note = f"eager {kernels.note(found)}"
-    rows = [
-        compare(
-            SECTION,
-            f"{name}: eager loop",
-            eager_s * 1e3,
-            "ms",
-            note=f"{tokens / eager_s:,.0f} tokens/s; lengths {lengths}; {note}",
-            kernels=found,
-            lengths=lengths,
-        )
-    ]
-    for n in lanes_of:
-        t = times[f"graphs{n}"]
-        rows.append(
-            compare(
-                SECTION,
-                f"{name}, {n_lanes(n)}: graph lanes",
-                t * 1e3,
-                "ms",
-                "eager loop",
-                eager_s * 1e3,
-                note=f"{tokens / t:,.0f} tokens/s; {note}",
-                graphs=stats,
-            )
-        )
-    rows.append(policy_row(name, stats))
-    return rows
-
-
-def policy_row(name: str, stats: dict[str, Any]) -> Row:
-    """What TargetGraphs chose: its padding waste (the fraction of replayed tokens that
-    were padding), the buckets it left eager and why, the buckets and pool per lane."""
-    note = "; ".join(
-        f"{label}: buckets {[b[1] for b in lane['buckets']]}, "
-        f"pool {lane['pool_bytes'] / 2**30:.2f} GiB"
-        for label, lane in stats["lanes"].items()
-    )
-    if "eager_buckets" in stats:
-        note += f"; buckets run eagerly: {stats['eager_buckets'] or 'none'}"
-    if stats["fallbacks"]:
-        note += f"; fallbacks: {'; '.join(stats['fallbacks'])}"
-    row_name = f"{name}: TargetGraphs' choice, padding waste"
-    waste = stats.get("padding_waste")
-    if waste is None:
-        return not_run(SECTION, row_name, f"TargetGraphs.stats() has no padding_waste; {note}")
-    return compare(SECTION, row_name, float(waste), "fraction", note=note, graphs=stats)
-
-
 # --- fidelity --------------------------------------------------------------------------------
 def fidelity_labels() -> list[str]:
     size = SIZES["small"][0]
@@ -371,7 +144,7 @@ def fidelity_rows(ctx: Context) -> list[Row]:
     for moe in (False, True):
         ctx.progress(f"fidelity, {'MoE' if moe else 'dense'}: graph vs eager, padding's floor")
         target = fidelity.build(SIZES["small"][0], moe)
-        rows.append(fidelity.row(SECTION, fidelity.measure(target)))
+        rows.append(fidelity_report.row(SECTION, fidelity.measure(target)))
         del target
         torch.cuda.empty_cache()
     return rows
@@ -403,14 +176,20 @@ def target_steps(ctx: Context, options: Options, bench: Bench, model: torch.nn.M
             streams = [torch.cuda.Stream(bench.device) if bench.on_gpu else None for _ in range(n)]
             with concurrent.futures.ThreadPoolExecutor(n) as pool:
                 fns = {
-                    "sequential": lambda n=n: sequential_step(bench, forward, batches[:n]),
-                    "executor": lambda n=n, pool=pool, streams=streams: executor_step(
-                        bench, forward, batches[:n], pool, streams
+                    "sequential": lambda n=n: sequential_step(
+                        forward, batches[:n], bench.synchronize
                     ),
-                    "lanes": lambda n=n: lanes_step(bench, eager, lanes[:n], batches[:n]),
+                    "executor": lambda n=n, pool=pool, streams=streams: executor_step(
+                        [forward] * n, batches[:n], pool, streams, bench.synchronize
+                    ),
+                    "lanes": lambda n=n: lanes_step(
+                        [eager] * n, lanes[:n], batches[:n], bench.synchronize
+                    ),
                 }
                 if graphs is not None:
-                    fns["graphs"] = lambda n=n: lanes_step(bench, graphs, lanes[:n], batches[:n])
+                    fns["graphs"] = lambda n=n: lanes_step(
+                        [graphs] * n, lanes[:n], batches[:n], bench.synchronize
+                    )
                 times = interleaved_medians(fns, reps)
             rows += target_rows(bench, n, times, graphs)
         if graphs is None:
@@ -425,46 +204,6 @@ def target_steps(ctx: Context, options: Options, bench: Bench, model: torch.nn.M
     finally:
         dispatcher.shutdown()
     return rows
-
-
-def n_lanes(n: int) -> str:
-    return f"{n} lane" if n == 1 else f"{n} lanes"
-
-
-def sequential_step(bench: Bench, forward: Callable, batches: list[dict]) -> None:
-    with torch.no_grad():
-        for batch in batches:
-            forward(batch)
-    bench.synchronize()
-
-
-def executor_step(
-    bench: Bench,
-    forward: Callable,
-    batches: list[dict],
-    pool: concurrent.futures.Executor,
-    streams: list[Any],
-) -> None:
-    def one(i: int) -> None:
-        with torch.no_grad():
-            if streams[i] is None:
-                forward(batches[i])
-                return
-            # The inputs were made on the default stream, long before: no wait needed.
-            with torch.cuda.stream(streams[i]):
-                forward(batches[i])
-
-    list(pool.map(one, range(len(batches))))
-    bench.synchronize()
-
-
-def lanes_step(bench: Bench, stage: Any, lanes: list, batches: list[dict]) -> None:
-    futures = [stage.submit(lane, batch) for lane, batch in zip(lanes, batches, strict=True)]
-    results = [future.result() for future in futures]
-    bench.synchronize()
-    if isinstance(stage, TargetGraphs):
-        for result in results:
-            stage.release(result)  # its output buffers serve the next replays
 
 
 def target_rows(bench: Bench, n: int, times: dict[str, float], graphs: Any) -> list[Row]:
@@ -518,15 +257,8 @@ def pipeline_steps(ctx: Context, options: Options, bench: Bench, models: Any) ->
     job, placement = bench.job, bench.placement
     setup = Setup.for_model(ctx, job, placement, steps=options.pipeline_steps, on_gpu=bench.on_gpu)
     warm = setup.batches(1)[0]
-    times, graph_stats = {}, None
-    ctx.progress(f"{bench.name}: sequential loop")
-    times["sequential"] = step_time(
-        setup, lambda b, n: sequential_steps(models, placement, job, b, n)
-    )
-    ctx.progress(f"{bench.name}: ThreadPoolExecutor loop")
-    times["executor"] = step_time(
-        setup, lambda b, n: executor_steps(models, placement, job, b, n, depth=2)
-    )
+    graph_stats = None
+    times = loop_baselines(setup, models, ctx.progress, f"{bench.name}: ")
     for graphs in (False, True) if bench.on_gpu else (False,):
         ctx.progress(f"{bench.name}: pipeline, {'graph' if graphs else 'eager'} target")
         loop = PipelineLoop(models, placement, job, depth=2, graphs=graphs)
@@ -583,200 +315,6 @@ def pipeline_steps(ctx: Context, options: Options, bench: Bench, models: Any) ->
             )
         )
     return rows
-
-
-# --- torch.compile ---------------------------------------------------------------------------
-def compiled_rows(
-    ctx: Context, options: Options, bench: Bench, size: str, limit: float
-) -> list[Row]:
-    options = options.for_run(ctx)
-    threads = max(options.lanes)
-    name = f"{bench.name}: torch.compile reduce-overhead"
-    threaded = f"{name}, from {threads} threads"
-    ctx.progress(f"{name}: in a subprocess, at most {limit:.0f} s")
-    args = [
-        "--compile-child",
-        size,
-        "--batch",
-        str(bench.job.batch),
-        f"--seq-{size}",
-        str(bench.job.seq),
-        "--lanes",
-        str(threads),
-        "--reps",
-        str(options.reps),
-    ]
-    if options.moe:
-        args.append("--moe")
-    report, failure = compile_child([sys.executable, "-m", "bench.real_target", *args], limit)
-    rows = []
-    step = report.get("step")
-    if step is None:
-        phase = report.get("phase", "start")
-        why = failure or "it ended early"
-        rows.append(not_run(SECTION, name, f"no step time: after '{phase}', {why}"))
-    else:
-        rows.append(
-            compare(
-                SECTION,
-                name,
-                step["compiled_ms"],
-                "ms",
-                "eager, same process",
-                step["eager_ms"],
-                note=f"first call (compile and capture) {report['first_call_s']:.1f} s; "
-                f"{bench.rate(step['compiled_ms'] / 1e3, 1)}"
-                + (f"; {report['cudagraphs_skipped']}" if "cudagraphs_skipped" in report else ""),
-                first_call_s=report["first_call_s"],
-            )
-        )
-    threads_report = report.get("threads")
-    if threads_report is None:
-        rows.append(not_run(SECTION, threaded, "not reached: " + (failure or "see the row above")))
-    elif threads_report["error"]:
-        rows.append(not_run(SECTION, threaded, f"fails: {threads_report['error']}"))
-    else:
-        rows.append(
-            compare(
-                SECTION,
-                threaded,
-                threads_report["compiled_ms"],
-                "ms",
-                f"eager sequential, {threads} forwards",
-                threads_report["eager_ms"],
-                note=f"{threads} threads at once, outputs equal to one thread's; "
-                f"{bench.rate(threads_report['compiled_ms'] / 1e3, threads)}",
-            )
-        )
-    return rows
-
-
-def compile_child(command: list[str], limit: float) -> tuple[dict[str, Any], str | None]:
-    """Runs the child; returns what it reported (its JSON lines, merged) and why it
-    stopped early (None when it finished). At `limit` the child is killed with its
-    process group: inductor starts compile workers of its own."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-    }
-    proc = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    failure = None
-    try:
-        out, err = proc.communicate(timeout=limit)
-        if proc.returncode:
-            lines = [line for line in err.strip().splitlines() if line.strip()]
-            failure = f"exit {proc.returncode}: {lines[-1] if lines else 'no message'}"
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        failure = f"still running at the {limit:.0f} s limit"
-    report: dict[str, Any] = {}
-    for line in out.splitlines():
-        if line.startswith("{"):
-            report.update(json.loads(line))
-    # Inductor logs, and runs on without graphs, when it cannot use CUDA graphs.
-    skipped = [line.strip() for line in err.splitlines() if "skipping cudagraphs" in line.lower()]
-    if skipped:
-        report["cudagraphs_skipped"] = skipped[0][:300]
-    return report, failure
-
-
-def compile_main(size: str, options: Options) -> None:
-    """The child: builds the target, compiles its forward and reports each phase as a
-    JSON line as soon as it is done, so a parent that kills it knows how far it got."""
-
-    def say(**fields: Any) -> None:
-        print(json.dumps(fields), flush=True)
-
-    kernels.apply_fallbacks()
-    torch.manual_seed(0)
-    config = HFTargetConfig.load(SIZES[size][0], moe=options.moe)
-    model = config.build(torch.bfloat16).to("cuda:0")
-    forward = target_forward(model)
-    job = Job(
-        config,
-        DrafterConfig(),
-        seq=options.seq_of(size, False),
-        batch=options.batch,
-        accumulate=1,
-        lr=0.0,
-    )
-    bench = Bench(size, size, job, Placement(("cuda:0",), ("cuda:0",)), True)
-    threads = max(options.lanes)
-    batches = bench.batches(threads)
-    compiled = torch.compile(forward, mode="reduce-overhead")
-    say(phase="built")
-    start = time.perf_counter()
-    with torch.no_grad():
-        compiled(batches[0])
-    bench.synchronize()
-    say(phase="first call", first_call_s=time.perf_counter() - start)
-    reps = options.reps or 20
-    times = interleaved_medians(
-        {
-            "compiled": lambda: sequential_step(bench, compiled, batches[:1]),
-            "eager": lambda: sequential_step(bench, forward, batches[:1]),
-        },
-        reps,
-    )
-    say(
-        phase="timed",
-        step={"compiled_ms": times["compiled"] * 1e3, "eager_ms": times["eager"] * 1e3},
-    )
-    say(phase="threads", threads=threaded_calls(bench, compiled, forward, batches))
-
-
-def threaded_calls(
-    bench: Bench, compiled: Callable, forward: Callable, batches: list[dict]
-) -> dict[str, Any]:
-    """Calls `compiled` from len(batches) threads at once (a stream each on a GPU,
-    started on a barrier); the outputs must equal those of one thread's calls."""
-    with torch.no_grad():
-        expected = [compiled(b)["features"].clone() for b in batches]
-    n = len(batches)
-    barrier = threading.Barrier(n)
-    streams = [torch.cuda.Stream(bench.device) if bench.on_gpu else None for _ in range(n)]
-
-    def call(i: int) -> torch.Tensor:
-        barrier.wait()
-        with torch.no_grad(), torch.cuda.stream(streams[i]) if bench.on_gpu else nullcontext():
-            out = compiled(batches[i])["features"].clone()
-        bench.synchronize()
-        return out
-
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        try:
-            outs = list(pool.map(call, range(n)))
-        except Exception as exc:  # noqa: BLE001 - the failure is what this reports
-            return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
-        wrong = [
-            i for i, (a, b) in enumerate(zip(outs, expected, strict=True)) if not torch.equal(a, b)
-        ]
-        if wrong:
-            return {"error": f"wrong outputs in threads {wrong} (no exception)"}
-        samples = []
-        for _ in range(5):
-            start = time.perf_counter()
-            list(pool.map(call, range(n)))
-            samples.append(time.perf_counter() - start)
-    eager = statistics.median(
-        _timed(lambda: sequential_step(bench, forward, batches)) for _ in range(5)
-    )
-    return {"error": None, "compiled_ms": statistics.median(samples) * 1e3, "eager_ms": eager * 1e3}
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 # --- command line ----------------------------------------------------------------------------

@@ -316,7 +316,7 @@ def test_plot_is_written_with_nothing_measured(tmp_path):
 
 
 def test_pipeline_setup_makes_its_batches_once():
-    from bench.pipeline import Setup
+    from bench.harness import Setup
     from examples.dflash.loops import Job, Placement
     from examples.dflash.models import TINY_DRAFTER, TINY_TARGET
 
@@ -417,7 +417,7 @@ def test_real_target_section_is_not_run_without_transformers(monkeypatch, tmp_pa
 
 
 def test_compile_child_is_killed_at_its_limit_and_reports_how_far_it_got():
-    from bench.real_target import compile_child
+    from bench.real_target_compile import compile_child
 
     def child(behaviour: str) -> list[str]:
         return [
@@ -474,11 +474,13 @@ def test_compile_child_is_killed_at_its_limit_and_reports_how_far_it_got():
 )
 def test_compile_rows_say_what_the_child_reached(monkeypatch, report, failure, first, second):
     pytest.importorskip("transformers")
-    from bench import real_target
+    from bench import real_target, real_target_compile
 
-    monkeypatch.setattr(real_target, "compile_child", lambda command, limit: (report, failure))
+    monkeypatch.setattr(
+        real_target_compile, "compile_child", lambda command, limit: (report, failure)
+    )
     bench = real_target.make_bench(Context(True, 0, print), real_target.Options(), "tiny")
-    compiled, threaded = real_target.compiled_rows(
+    compiled, threaded = real_target_compile.compiled_rows(
         Context(True, 0, lambda line: None), real_target.Options(), bench, "small", 300
     )
     assert compiled.measured == (first is None) and threaded.measured == (second is None)
@@ -500,6 +502,7 @@ def test_threaded_calls_report_a_failing_or_wrong_callable():
     import torch
 
     from bench import real_target
+    from bench.real_target_compile import threaded_calls
 
     bench = real_target.make_bench(Context(True, 0, print), real_target.Options(), "tiny")
     batches = bench.batches(3)
@@ -518,19 +521,16 @@ def test_threaded_calls_report_a_failing_or_wrong_callable():
             raise RuntimeError("not thread safe\nsecond line")
         return fine(batch)
 
-    assert real_target.threaded_calls(bench, fine, fine, batches)["error"] is None
-    assert (
-        "wrong outputs in threads"
-        in real_target.threaded_calls(bench, flaky, fine, batches)["error"]
-    )
-    assert real_target.threaded_calls(bench, broken, fine, batches) == {
+    assert threaded_calls(bench, fine, fine, batches)["error"] is None
+    assert "wrong outputs in threads" in threaded_calls(bench, flaky, fine, batches)["error"]
+    assert threaded_calls(bench, broken, fine, batches) == {
         "error": "RuntimeError: not thread safe"
     }
 
 
 def test_compile_only_runs_just_the_compile_child_for_its_sizes(monkeypatch):
     pytest.importorskip("transformers")
-    from bench import real_target
+    from bench import real_target, real_target_compile
 
     def no_build(*args, **kwargs):
         raise AssertionError("--compile-only builds no target in this process")
@@ -538,7 +538,7 @@ def test_compile_only_runs_just_the_compile_child_for_its_sizes(monkeypatch):
     commands = []
     monkeypatch.setattr(real_target, "build_models", no_build)
     monkeypatch.setattr(
-        real_target,
+        real_target_compile,
         "compile_child",
         lambda command, limit: commands.append((command, limit)) or ({}, "exit 1: boom"),
     )
@@ -724,15 +724,15 @@ def test_kernels_are_named_and_fallbacks_forced(monkeypatch):
 def test_relative_error_and_cutting_padding():
     import torch
 
-    from bench import fidelity
+    from bench import fidelity, fidelity_probes
 
     a = torch.ones(1, 4, 2)
-    assert fidelity.rel_err(a, a) == 0.0
-    assert fidelity.rel_err(a * 1.01, a) == pytest.approx(0.01, rel=1e-4)
-    assert fidelity.rel_err(a, torch.ones(1, 5, 2)) == float("inf")
+    assert fidelity_probes.rel_err(a, a) == 0.0
+    assert fidelity_probes.rel_err(a * 1.01, a) == pytest.approx(0.01, rel=1e-4)
+    assert fidelity_probes.rel_err(a, torch.ones(1, 5, 2)) == float("inf")
     long = torch.arange(12.0).reshape(1, 6, 2)
-    assert fidelity.cut(long, a).shape == a.shape and fidelity.cut(a, long) is None
-    assert fidelity.cut(torch.ones(2, 6, 3), a) is None  # two dimensions differ
+    assert fidelity_probes.cut(long, a).shape == a.shape and fidelity_probes.cut(a, long) is None
+    assert fidelity_probes.cut(torch.ones(2, 6, 3), a) is None  # two dimensions differ
     assert fidelity.bucket_of(700) == 1024 and fidelity.bucket_of(5) == 128
     assert fidelity.bucket_of(1024) == 1024
 
@@ -740,7 +740,8 @@ def test_relative_error_and_cutting_padding():
 def test_call_comparison_names_the_kernel_that_changes_bits():
     import torch
 
-    from bench.fidelity import Call, compare_calls, explain_calls
+    from bench.fidelity_probes import Call, compare_calls
+    from bench.fidelity_report import explain_calls
 
     x = torch.ones(1, 4, 2)
     eager = [Call("l0", "Linear", x, x), Call("gdr", "chunk", x, x), Call("l1", "Linear", x, x)]
@@ -787,35 +788,35 @@ def synthetic_fidelity(**errors):
 
 
 def test_fidelity_report_reads_itself():
-    from bench import fidelity
+    from bench import fidelity_report
 
     floor = synthetic_fidelity(padding=0.01, graph=0.01, graph_vs_padded=0.001)
-    assert "within the padding floor" in fidelity.reading(floor)
+    assert "within the padding floor" in fidelity_report.reading(floor)
     capture = synthetic_fidelity(graph=0.002, graph_vs_padded=0.002, plain_capture=0.002)
-    text = fidelity.format_result(capture)
+    text = fidelity_report.format_result(capture)
     assert "TargetGraphs on a lane  vs  eager" in text and "0.200 %" in text
     assert "the capture itself changes kernels" in text
-    row = fidelity.row("real_target", capture)
+    row = fidelity_report.row("real_target", capture)
     assert row.value == 0.002 and row.baseline == 0.0 and row.ratio is None
     assert row.baseline_name == "noise floor: eager padded vs eager"
     assert "kernels: gated delta rule FLA 0.6.0" in row.note
     ours = synthetic_fidelity(graph=0.004, graph_vs_padded=0.004, plain_capture=0.0, lane=0.004)
-    assert "running on a lane changes the bits" in fidelity.reading(ours)
-    assert "more than a plain capture" in fidelity.reading(ours)
+    assert "running on a lane changes the bits" in fidelity_report.reading(ours)
+    assert "more than a plain capture" in fidelity_report.reading(ours)
 
 
 def test_probes_record_leaf_modules_and_kernels_then_leave():
     pytest.importorskip("transformers")
     import torch
 
-    from bench import fidelity, kernels
+    from bench import fidelity_probes, kernels
     from examples.dflash.hf import HFTargetConfig
 
     # Layer 3, the tiny model's full-attention layer, is a capture layer: the forward stops
     # after the last capture layer, and these tests need it to reach an attention call.
     model = HFTargetConfig.load("qwen3-next-tiny", layers=(1, 3)).build(torch.float32)
     module = kernels._modeling()
-    before = {name: getattr(module, name) for name in fidelity.Probes.FUNCTIONS}
+    before = {name: getattr(module, name) for name in fidelity_probes.Probes.FUNCTIONS}
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def hooks():
@@ -825,7 +826,7 @@ def test_probes_record_leaf_modules_and_kernels_then_leave():
     with torch.no_grad():
         model(ids)  # transformers adds hooks of its own on the first forward
     hooks_before = hooks()
-    probes = fidelity.Probes(model)
+    probes = fidelity_probes.Probes(model)
     with probes.recording() as calls, torch.no_grad():
         model(ids)
     with probes.recording() as longer, torch.no_grad():
@@ -835,7 +836,7 @@ def test_probes_record_leaf_modules_and_kernels_then_leave():
     assert {"Linear", "torch_chunk_gated_delta_rule", "causal_conv1d_fn", "sdpa"} <= kinds
     assert {name: getattr(module, name) for name in before} == before
     assert torch.nn.functional.scaled_dot_product_attention is sdpa
-    padding = fidelity.compare_calls(list(calls), list(longer))
+    padding = fidelity_probes.compare_calls(list(calls), list(longer))
     assert padding["aligned"] and padding["calls"] == len(calls)
     assert hooks() == hooks_before
 
@@ -924,9 +925,9 @@ def test_reading_the_autotuners_touches_no_deprecated_attribute():
     pytest.importorskip("triton")
     import torch.distributed  # noqa: F401 - puts the deprecated reduce_op among the objects
 
-    from bench import fidelity
+    from bench import fidelity_probes
 
-    assert isinstance(fidelity.autotuner_choices(), dict)
+    assert isinstance(fidelity_probes.autotuner_choices(), dict)
 
 
 def test_launch_bound_graph_rows_time_a_longer_steady_state_window():

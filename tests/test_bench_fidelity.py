@@ -34,13 +34,13 @@ def results():
 
     import torch
 
-    from bench import fidelity
+    from bench import fidelity, fidelity_report
 
     out = {}
     for config in BOUNDS:
         target = fidelity.build("qwen3-next-small", config == "moe")
         out[config] = fidelity.measure(target, diagnose=config == "dense")
-        print(fidelity.format_result(out[config]))  # shown with -s, and on failure
+        print(fidelity_report.format_result(out[config]))  # shown with -s, and on failure
         del target
         gc.collect()
         torch.cuda.empty_cache()
@@ -49,12 +49,12 @@ def results():
 
 @pytest.mark.parametrize("config", list(BOUNDS))
 def test_graph_and_padding_errors_are_bounded(results, config):
-    from bench import fidelity
+    from bench import fidelity_report
 
     result = results[config]
     errors = result["errors"]
     graph_bound, floor_bound, repeat_bound = BOUNDS[config]
-    report = fidelity.format_result(result)
+    report = fidelity_report.format_result(result)
     assert errors["eager_repeat"] <= repeat_bound, report
     assert errors["padding"] <= floor_bound, report
     assert errors["graph"] <= graph_bound, report
@@ -65,11 +65,11 @@ def test_graph_and_padding_errors_are_bounded(results, config):
 
 
 def test_diagnosis_compares_every_call_and_tries_each_remedy(results):
-    from bench import fidelity
+    from bench import fidelity_probes
 
     assert "diagnosis" in results["dense"], results["dense"].get("diagnosis_failed")
     diagnosis = results["dense"]["diagnosis"]
     for comparison in (diagnosis["capture"], diagnosis["padding"]):
         assert comparison["aligned"] and comparison["calls"] > 0
-    assert set(diagnosis["remedies"]) == set(fidelity.REMEDIES)
+    assert set(diagnosis["remedies"]) == set(fidelity_probes.REMEDIES)
     assert isinstance(diagnosis["remedies"]["as is"], float)

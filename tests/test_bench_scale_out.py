@@ -18,7 +18,7 @@ from bench.common import Context, Row
 pytest.importorskip("transformers")
 
 # After the skip: these need transformers' config classes at run time.
-from bench import scale_out
+from bench import scale_out, scale_out_pipeline, scale_out_processes
 from examples.dflash.loops import Placement
 
 NAME = "qwen3-next-tiny 2x32"
@@ -94,7 +94,7 @@ def test_graph_lanes_and_the_pipeline_run_on_cpu_lanes():
     graphs = rows[f"{NAME}, 2 CPU lanes: graph lanes"]
     assert graphs.measured and graphs.target == "ratio >= 1.9" and graphs.met is not None
     assert rows[f"{NAME}, 2 CPU lanes: one process per device"].note == "no figure: off"
-    row = scale_out.pipeline_figures(
+    row = scale_out_pipeline.pipeline_figures(
         ctx, options, setting, Placement.parse(["cpu"] * 4, "3:1"), "3:1 on CPU lanes"
     )
     assert row.measured and row.target == "<= 1.05" and row.extra["peer_access"] is None
@@ -134,7 +134,7 @@ def worker(behaviour: str) -> list[str]:
 
 
 def test_workers_get_torchrun_environment_and_no_nvlink_multicast():
-    reports, failure = scale_out.launch(worker("environment"), world=2, limit=60)
+    reports, failure = scale_out_processes.launch(worker("environment"), world=2, limit=60)
     assert failure is None
     assert sorted(r["RANK"] for r in reports) == ["0", "1"]
     for r in reports:
@@ -148,14 +148,14 @@ def test_workers_get_torchrun_environment_and_no_nvlink_multicast():
 
 
 def test_a_failing_worker_stops_the_others_and_says_why():
-    reports, failure = scale_out.launch(worker("fail-rank-1"), world=2, limit=60)
+    reports, failure = scale_out_processes.launch(worker("fail-rank-1"), world=2, limit=60)
     assert reports == [] and failure == "rank 1 exit 1: RuntimeError: no device"
-    reports, failure = scale_out.launch(worker("sleep"), world=2, limit=1)
+    reports, failure = scale_out_processes.launch(worker("sleep"), world=2, limit=1)
     assert reports == [] and failure == "still running at the 1 s limit"
 
 
 def test_pipeline_ratios_have_one_drafter(capsys):
-    assert scale_out.parse_ratio("3:1") == 3
+    assert scale_out_pipeline.parse_ratio("3:1") == 3
     with pytest.raises(SystemExit):
         scale_out.main(["--pipelines", "2:2"])
     assert "expected a ratio like 3:1" in capsys.readouterr().err
