@@ -176,7 +176,7 @@ def _old_attention(attn, x, context, anchors, block):
         for pair in ((k_ctx, k_x), (v_ctx, v_x))
     )
     query_anchor = anchors.repeat_interleave(block, dim=1)
-    sees_context = torch.arange(length) <= query_anchor[..., None]
+    sees_context = torch.arange(length) < query_anchor[..., None]
     block_of = torch.arange(queries) // block
     same_block = (block_of[:, None] == block_of[None, :]).expand(batch, -1, -1)
     mask = torch.cat([sees_context, same_block], dim=-1)[:, None]
@@ -210,6 +210,25 @@ def test_block_attention_equals_the_plain_boolean_mask_forward_and_backward(leng
             loss.backward()
         grads.append([loss] + [p.grad.clone() for p in drafter.parameters() if p.requires_grad])
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("copies", [1.0, 1e9])  # the plain layout and every group
+def test_a_block_sees_the_context_before_its_anchor_and_not_at_it(copies):
+    # Note [Context before the anchor]: the feature at the anchor's own position does not
+    # exist when drafting, so no prediction may depend on it; the one before it does.
+    cfg = dataclasses.replace(SMALL, context_copies=copies)
+    target, drafter = _drafter(cfg)
+    batch = MarkovTokens(TINY_TARGET.vocab, 30, 2, seed=5, anchors=6, block=4).batch(0)
+    ids, anchors = batch["input_ids"], batch["anchors"][:, :6]
+    features = target(ids).detach()
+    p = int(anchors[0, 0])
+    assert p > 0 and int(anchors[0, 1]) > p  # the first block's anchor, not the last one's
+    logits = drafter.predict(features, ids, anchors)
+    for position, changes in ((p, False), (p - 1, True)):
+        moved = features.clone()
+        moved[0, position] += 1.0
+        first_block = drafter.predict(moved, ids, anchors)[0, 0]
+        assert (not torch.allclose(first_block, logits[0, 0])) is changes, position
 
 
 def test_drafter_loss_is_the_plain_weighted_cross_entropy():

@@ -130,7 +130,7 @@ def test_target_uses_both_layer_kinds():
     assert kinds == ["GatedDeltaNet", "GatedDeltaNet", "GatedDeltaNet", "GatedAttention"]
 
 
-def test_drafter_sees_context_up_to_its_anchor_and_only_its_block():
+def test_drafter_sees_context_before_its_anchor_and_only_its_block():
     torch.manual_seed(0)
     target = HybridTarget(TINY_TARGET).eval()
     drafter = BlockDrafter(target, TINY_DRAFTER)
@@ -142,13 +142,13 @@ def test_drafter_sees_context_up_to_its_anchor_and_only_its_block():
         assert anchors == [0, 4, 8, 12, 16]
         assert logits.shape == (1, 5, TINY_DRAFTER.block - 1, TINY_TARGET.vocab)
         later = features.clone()
-        later[:, 9:] += 1.0  # after anchor 8
+        later[:, 8:] += 1.0  # at anchor 8 and after (Note [Context before the anchor])
         moved = drafter.predict(later, ids)
         torch.testing.assert_close(moved[:, :3], logits[:, :3])  # anchors 0, 4, 8
         assert not torch.allclose(moved[:, 3:], logits[:, 3:])
-        at_anchor = features.clone()
-        at_anchor[:, 8] += 1.0
-        assert not torch.allclose(drafter.predict(at_anchor, ids)[:, 2], logits[:, 2])
+        before_anchor = features.clone()
+        before_anchor[:, 7] += 1.0
+        assert not torch.allclose(drafter.predict(before_anchor, ids)[:, 2], logits[:, 2])
         # Block tokens other than the anchor are masks: the true tokens there do not leak.
         hidden = ids.clone()
         hidden[:, 9:12] = (hidden[:, 9:12] + 1) % TINY_TARGET.vocab

@@ -8,13 +8,14 @@ what the drafter is conditioned on.
 Drafter (after DFlash, block diffusion drafting): for each anchor position p it
 predicts the `block - 1` tokens after x_p in one parallel pass. A block's input is
 [embed(x_p), mask, ..., mask]; each drafter layer attends from the block to the
-target's context features at positions <= p and, bidirectionally, to its own block.
+target's context features at positions < p and, bidirectionally, to its own block.
 Embedding and LM head are frozen copies of the target's. The anchors are every
 block-th position, or a fixed number per sequence drawn by the data (`anchors`); the
 loss is DFlash's (`objective`: supervised anchors and labels, slot weights
 exp(-(k-1)/gamma)), over the full vocabulary in chunks (`fused_loss`). `DFLASH_B16` is the
-published DFlash recipe for Qwen3-8B. (DFlash's context stops just before p; here it
-includes p. The shapes and FLOPs are the same.)
+published DFlash recipe for Qwen3-8B. The context stops just before p, as DFlash's: when
+drafting, x_p is the token the target has just produced, and no hidden state of it exists
+yet (Note [Context before the anchor]).
 """
 
 from __future__ import annotations
@@ -288,7 +289,13 @@ class BlockLayout:
     mask: torch.Tensor  # [B * groups, 1, group queries, context + group queries], 0 or -inf
 
 
-# Note [Grouped block attention]: a block's queries see the context up to the block's
+# Note [Context before the anchor]: a block's queries see the target's features at
+# positions before its anchor p, never at p: when drafting, x_p is the token the target
+# has just sampled, and its hidden state is computed only when the target verifies the
+# block. Training on the feature at p would teach the drafter to lean on an input it
+# never has.
+#
+# Note [Grouped block attention]: a block's queries see the context before the block's
 # anchor and the block itself. Attending from all n blocks to [context; all n blocks] with
 # a mask (the plain layout) spends most of the attention on keys every query masks out:
 # at 256 blocks of 16 after 768 tokens, 4096 + 768 keys per query of which at most 784
@@ -321,8 +328,8 @@ def block_mask(
     anchors: torch.Tensor, block: int, length: int, groups: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """The additive mask [B * groups, 1, group queries, length + group queries] of
-    Note [Grouped block attention]: query j of a group sees context key i when i <= its
-    block's anchor, and the keys of its own block."""
+    Note [Grouped block attention]: query j of a group sees context key i when i < its
+    block's anchor (Note [Context before the anchor]), and the keys of its own block."""
     batch, n = anchors.shape
     device = anchors.device
     per_group = n // groups * block
@@ -330,7 +337,7 @@ def block_mask(
     padded = -(-keys // 16) * 16
     mask = torch.full((batch, groups, per_group, padded), float("-inf"), dtype=dtype, device=device)
     query_anchor = anchors.repeat_interleave(block, dim=1).view(batch, groups, per_group, 1)
-    mask[..., :length].masked_fill_(torch.arange(length, device=device) <= query_anchor, 0.0)
+    mask[..., :length].masked_fill_(torch.arange(length, device=device) < query_anchor, 0.0)
     block_of = torch.arange(per_group, device=device) // block
     mask[..., length:keys].masked_fill_(block_of[:, None] == block_of[None, :], 0.0)
     return mask.view(batch * groups, 1, per_group, padded)[..., :keys]
