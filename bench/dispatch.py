@@ -121,7 +121,7 @@ def measure(ctx: Context, kind: str, device: Any) -> list[Row]:
         # Tracing keeps every span until taken: do not let the record grow unbounded.
         traced.set_tracing(False)
         for each in traced.lanes:
-            each._native.take_trace()
+            each._core.take_trace()
         ctx.progress(f"{kind} lane: {PIPELINED} submitted then waited, {reps} samples")
         batch = interleaved_medians({"pydflash": pipelined(lane), "pool": pipelined(pool)}, reps)
         ctx.progress(f"{kind} lane: {PIPELINED} submitted, stdlib wait, {reps} samples")

@@ -9,7 +9,7 @@ ThreadPoolExecutor of `worker_count` threads. What changed, and why:
   sys.executable with this checkout on PYTHONPATH, and the leaked-thread checks of
   BaseTestCase are left out (lanes are native threads).
 - Where the original looks at `executor._threads`, the adapted test looks at the lanes'
-  workers (`lane._native.exited`), their counterpart.
+  workers (`lane._core.exited`), their counterpart.
 - FutureTests build futures in each state by hand (`Future()`, `set_result`); pydflash
   futures are made and completed by their lane only, so the adapted tests make each
   state with tasks: a task held on a gate is running, one queued behind it pending.
@@ -259,8 +259,8 @@ def workers_exited(lanes):
     """The lanes' workers have run their last task and left (the original joins
     `executor._threads`)."""
     for lane in lanes:
-        lane._native.join(None)
-    return all(lane._native.exited for lane in lanes)
+        lane._core.join(None)
+    return all(lane._core.exited for lane in lanes)
 
 
 class ThreadPoolShutdownTest(ThreadPoolMixin, ExecutorShutdownTest, unittest.TestCase):
@@ -289,7 +289,7 @@ class ThreadPoolShutdownTest(ThreadPoolMixin, ExecutorShutdownTest, unittest.Tes
         res = executor.map(abs, range(-5, 5))
         # The workers, as the original takes executor._threads: a Lane held would keep
         # its queue open, as any executor held does (Note [Lanes open while held]).
-        workers = [lane._native for lane in executor.lanes]
+        workers = [lane._core for lane in executor.lanes]
         del executor
 
         for worker in workers:

@@ -488,7 +488,7 @@ def test_a_temporary_dispatcher_runs_what_is_submitted_to_it(submit):
 
 def test_a_queued_task_keeps_its_lanes_open_and_they_close_after_the_work():
     d = pydflash.Dispatcher(devices=["cpu"], guard=())
-    natives = [lane._native for lane in d.lanes]
+    natives = [lane._core for lane in d.lanes]
     refs = [weakref.ref(d), weakref.ref(d.lanes[0])]
     gate, wait = blocker()
     held = d.submit(wait)
@@ -511,6 +511,6 @@ def test_a_held_lane_keeps_its_dispatcher_open():
     gc.collect()
     time.sleep(0.05)
     assert not lane.closed and lane.submit(pow, 2, 5).result(10) == 32
-    native = lane._native
+    native = lane._core
     del lane
     assert native.join(10) and native.exited

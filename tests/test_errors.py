@@ -174,7 +174,7 @@ def test_graph_on_a_cpu_lane_is_a_value_error():
         pydflash.Dispatcher(["cpu"], guard=()) as d,
         pytest.raises(ValueError, match="CPU lane"),
     ):
-        d.lanes[0]._native.submit_graph(1, None, d.lanes[0])
+        d.lanes[0]._core.submit_graph(1, None, d.lanes[0])
 
 
 def test_cuda_call_without_a_device_is_a_cuda_error():

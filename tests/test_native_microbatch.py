@@ -92,7 +92,7 @@ def test_malformed_programs_are_refused_with_typed_errors():
             with pytest.raises(error, match=match):
                 lane.submit_program(ops, buffer)
         with pytest.raises(TypeError, match="pydflash future or None"):
-            lane._native.submit_program([Op(Kind.WAIT_INPUT)], None, object(), lane)
+            lane._core.submit_program([Op(Kind.WAIT_INPUT)], None, object(), lane)
 
 
 def test_cpu_pipelines_take_the_python_path():

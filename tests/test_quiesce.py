@@ -292,9 +292,9 @@ def test_shutdown_with_cancel_of_a_paused_lane_cancels_at_once_and_exits_after_t
         paused.shutdown(wait=False, cancel_futures=True)
         # The queue is cancelled at once, the lane goes on pausing while the quiet lasts.
         assert sum(f.cancelled() for f in queued) >= 4  # its worker may hold the first
-        assert not paused._native.join(0.1)
+        assert not paused._core.join(0.1)
         done.set()
-        assert paused._native.join(WAIT_S), "a paused lane shut down did not exit"
+        assert paused._core.join(WAIT_S), "a paused lane shut down did not exit"
         assert held.result(timeout=WAIT_S) is True
 
 

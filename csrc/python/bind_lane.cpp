@@ -8,6 +8,7 @@
 #include "core/lane.h"
 #include "core/stream_program.h"
 #include "python/bindings.h"
+#include "python/entry_points.h"
 #include "python/future_object.h"
 #include "python/gil.h"
 #include "python/lane_runtime.h"
@@ -195,7 +196,7 @@ PyObject* submitter_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   try {
     for (Py_ssize_t i = 0; i < count; ++i) {
       py::handle owner = PyTuple_GET_ITEM(lanes_arg, i);
-      py::object native = py::getattr(owner, "_native", py::none());
+      py::object native = py::getattr(owner, entry::kLaneCore.attr(), py::none());
       PYDFLASH_CHECK_TYPE(py::isinstance<PyLane>(native), "expected pydflash.Lane objects, got ",
                           Py_TYPE(owner.ptr())->tp_name);
       lanes.push_back(&native.cast<PyLane&>());

@@ -42,11 +42,13 @@ inline constexpr EntryPoint kFutureInvokeOnLane{"pydflash.lanes._future", "Futur
 inline constexpr EntryPoint kFutureRaiseFailure{"pydflash.lanes._future", "Future._raise_failure"};
 // The lane a future names in its errors (future_object.cpp).
 inline constexpr EntryPoint kLaneLabel{"pydflash.lanes.lane", "Lane.label"};
+// A Lane's native half, read from the Lane objects a dispatcher's submit gets (bind_lane.cpp).
+inline constexpr EntryPoint kLaneCore{"pydflash.lanes.lane", "Lane._core"};
 
 inline constexpr EntryPoint kAll[] = {
     kInputFailedError,   kCompileQueueTimeout, kCudaError,  kInternalError,
     kCaptureTorchState,  kCallInTorchState,    kInitThread, kFutureInvoke,
-    kFutureInvokeOnLane, kFutureRaiseFailure,  kLaneLabel,
+    kFutureInvokeOnLane, kFutureRaiseFailure,  kLaneLabel,  kLaneCore,
 };
 
 }  // namespace entry

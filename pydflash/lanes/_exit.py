@@ -34,7 +34,7 @@ def track(lanes: Iterable[Lane]) -> None:
     for native in list(_lanes):
         if native.exited or native.forked:
             del _lanes[native]
-    _lanes.update((lane._native, lane.owner) for lane in lanes)
+    _lanes.update((lane._core, lane.owner) for lane in lanes)
 
 
 class _Progress:

@@ -87,6 +87,10 @@ class Lane(concurrent.futures.Executor):
             made alone has its own. The lane closes once nothing holds it.
     """
 
+    # The lane's native half (a C.Lane), set by __init__. Named here, at class level, because
+    # csrc/python/bind_lane.cpp reads it by name (Note [Python entry points]).
+    _core: Any = None
+
     def __init__(
         self,
         index: int,
@@ -102,13 +106,13 @@ class Lane(concurrent.futures.Executor):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"expected {name} as {what}, got {type(value).__name__}")
         spin_us = check_spin_us(spin_us)
-        self._native = C.Lane(index, device, f"lane {index} ({describe(device)})", Future, spin_us)
+        self._core = C.Lane(index, device, f"lane {index} ({describe(device)})", Future, spin_us)
         # Which dispatcher the lane is part of, as exit messages name it when several
         # dispatchers have lanes (set by Dispatcher).
         self.owner = ""
         self._torch_streams: tuple[Any, Any] | None = None
         self._hold = LanesHold() if hold is None else hold  # Note [Lanes open while held]
-        self._hold.add(self._native)
+        self._hold.add(self._core)
         # The hot path: a native callable, no Python frame (csrc/python/bind_lane.cpp).
         # Built once; it shadows the method below.
         self.submit = self._submitter = C.Submitter((self,), repr(self), self._hold)
@@ -116,42 +120,42 @@ class Lane(concurrent.futures.Executor):
     # --- identity -------------------------------------------------------------------
     @property
     def index(self) -> int:
-        return self._native.index
+        return self._core.index
 
     @property
     def label(self) -> str:
         """'lane N (device)', as task failures and stats name the lane."""
-        return self._native.label
+        return self._core.label
 
     @property
     def device(self) -> str:
         """'cuda:N' or 'cpu'."""
-        return describe(self._native.device)
+        return describe(self._core.device)
 
     @property
     def device_index(self) -> int | None:
         """CUDA ordinal, or None on a CPU lane."""
-        device = self._native.device
+        device = self._core.device
         return None if device == CPU else device
 
     @property
     def is_gpu(self) -> bool:
-        return self._native.device != CPU
+        return self._core.device != CPU
 
     @property
     def stream_ptr(self) -> int:
         """The lane's compute stream as a cudaStream_t int (0 on CPU lanes)."""
-        return self._native.stream
+        return self._core.stream
 
     @property
     def copy_stream_ptr(self) -> int:
-        return self._native.copy_stream
+        return self._core.copy_stream
 
     def _streams(self) -> tuple[Any, Any]:
         if self._torch_streams is None:
             import torch
 
-            device = torch.device("cuda", self._native.device)
+            device = torch.device("cuda", self._core.device)
             self._torch_streams = (
                 torch.cuda.ExternalStream(self.stream_ptr, device=device),
                 torch.cuda.ExternalStream(self.copy_stream_ptr, device=device),
@@ -180,7 +184,7 @@ class Lane(concurrent.futures.Executor):
         is kept alive until then. `graph` is a torch.cuda.CUDAGraph or a
         pydflash.graphs.CapturedGraph."""
         handle, keepalive = graph_exec_handle(graph, self)
-        return self._native.submit_graph(handle, keepalive, self)
+        return self._core.submit_graph(handle, keepalive, self)
 
     def submit_program(
         self, ops: Sequence[Any], keepalive: Any = None, after: Future | None = None
@@ -194,7 +198,7 @@ class Lane(concurrent.futures.Executor):
         passed them. With no keepalive the caller keeps what the ops read until then, and
         the worker never takes the GIL for the program. Note [Program tasks] in
         csrc/python/tasks.cpp."""
-        return self._native.submit_program(ops, keepalive, after, self)
+        return self._core.submit_program(ops, keepalive, after, self)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stops accepting work. wait: return once the worker has finished what it had.
@@ -210,58 +214,58 @@ class Lane(concurrent.futures.Executor):
     def close(self, *, cancel_futures: bool = False) -> int:
         """Stops accepting work without waiting; with cancel_futures, cancels what is
         queued and returns how many tasks that was (0 without)."""
-        return self._native.shutdown(check_cancel_futures(cancel_futures))
+        return self._core.shutdown(check_cancel_futures(cancel_futures))
 
     def join(self, timeout: float | None = None) -> bool:
         """Waits until the worker has run everything queued and exited (None: forever);
         False on timeout. The GIL is released meanwhile."""
-        return self._native.join(timeout)
+        return self._core.join(timeout)
 
     @property
     def closed(self) -> bool:
         """Whether the lane has stopped accepting work."""
-        return self._native.closed
+        return self._core.closed
 
     @property
     def exited(self) -> bool:
         """Whether the worker has run its last task and left."""
-        return self._native.exited
+        return self._core.exited
 
     @property
     def forked(self) -> bool:
         """Whether this process is a forked child of the one the lane was made in."""
-        return self._native.forked
+        return self._core.forked
 
     # --- traces -----------------------------------------------------------------------
     def set_tracing(self, on: bool) -> None:
         """Starts (dropping what was recorded) or stops recording a span per task."""
         if not isinstance(on, bool):
             raise TypeError(f"expected on=True or False, got {type(on).__name__}")
-        self._native.set_tracing(on)
+        self._core.set_tracing(on)
 
     def take_trace(self) -> list[tuple]:
         """Takes the spans recorded so far: (task id, label, submit ns, start ns, end ns,
         gpu) per task, where gpu is (begin ns, end ns) on the host clock, or None."""
-        return self._native.take_trace()
+        return self._core.take_trace()
 
     # --- quiet device (pydflash/lanes/quiesce.py) --------------------------------------------
     def hold_device_quiet(self, timeout: float | None) -> bool:
         """From a task on this lane: pauses every other lane of its device before its next
         task; True once all are paused, False if not within `timeout` seconds (then none
         stays paused). Use pydflash.lanes.quiesce.device_quiet, which ends it."""
-        return self._native.quiesce(timeout)
+        return self._core.quiesce(timeout)
 
     def release_device_quiet(self) -> None:
         """Lets the lanes paused by hold_device_quiet go on."""
-        self._native.resume()
+        self._core.resume()
 
     # --- introspection ----------------------------------------------------------------
     def load(self) -> int:
         """Tasks queued, running or still on the GPU."""
-        return self._native.load()
+        return self._core.load()
 
     def stats(self) -> dict[str, Any]:
-        return {"lane": self.index, "device": self.device, **self._native.stats()}
+        return {"lane": self.index, "device": self.device, **self._core.stats()}
 
     def __reduce_ex__(self, protocol: Any) -> NoReturn:
         refuse_copy(
