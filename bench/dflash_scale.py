@@ -41,7 +41,7 @@ from bench.dflash_scale_stages import (
     kernel_breakdown,
     target_alone,
 )
-from bench.harness import loop_baselines, step_time
+from bench.harness import loop_baselines, objective, step_time
 from examples.dflash.hf import HFTargetConfig, dflash_layers
 from examples.dflash.loops import Job, Models, PipelineLoop, Placement, build_models
 from examples.dflash.models import DFLASH_B16, drafter_parameters
@@ -70,11 +70,7 @@ SPECFORGE = {
 }
 CROSS_RUN = "SpecForge, published (cross-run)"
 # The objective every DFlash row trains (examples/dflash/objective.py).
-OBJECTIVE = (
-    f"loss: DFlash's, slot k weighted exp(-(k-1)/{DFLASH_B16.gamma_:g}) at block "
-    f"{DFLASH_B16.block}; no loss mask (synthetic tokens: every position supervised, "
-    f"{DFLASH_B16.anchors} anchors uniform over the sequence)"
-)
+OBJECTIVE = objective(DFLASH_B16)
 SETUP_DIFFERENCES = (
     "SpecForge's figures are another run (8xH200, SGLang capture server, FSDP trainers, "
     "real prompts averaging ~550 tokens, their kernels); ours: one GPU, both stages "

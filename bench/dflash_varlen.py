@@ -15,9 +15,11 @@ In one run, on the same models and the same microbatches:
 Each: samples/s over the timed steps, the seconds of the first (warm-up) steps, and per
 graph stage the seconds spent capturing, its pools' bytes, the pools given back and the
 policy's choices (which buckets kept a graph, which run eagerly and why), and whether the
-optimizer step replays as a graph. With --full also the 23 B Qwen3-Next-style target
-(`qwen3-next-large`). Without a GPU the same rows run at tiny sizes on CPU lanes, where
-graph stages take their padded eager path (the code runs; the figures answer nothing).
+optimizer step replays as a graph. The samples/s rows name the objective trained: DFlash's
+loss with the drafter's gamma, no loss mask (synthetic tokens). With --full also the 23 B
+Qwen3-Next-style target (`qwen3-next-large`). Without a GPU the same rows run at tiny
+sizes on CPU lanes, where graph stages take their padded eager path (the code runs; the
+figures answer nothing).
 
 It runs with --full (it would take the default run past three minutes), or alone:
 
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 
 from bench.common import Context, Row, compare, not_run
+from bench.harness import objective
 from examples.dflash.data import MarkovTokens
 from examples.dflash.hf import HFTargetConfig, dflash_layers
 from examples.dflash.loops import Job, PipelineLoop, Placement, build_models
@@ -200,13 +203,14 @@ def measure(ctx: Context, plan: Plan) -> list[Row]:
         finally:
             loop.close()
     eager, graph = results["eager stages"], results["graph stages"]
-    steps = f"{plan.steps} timed steps after {plan.warmup} warm-up steps"
+    how = f"{plan.steps} timed steps after {plan.warmup} warm-up steps"
+    how += f"; {objective(plan.job.drafter)}"
     rows = [
         compare(SECTION, f"{label}: eager stages, samples/s", samples / eager["step_s"],
-                "samples/s", note=steps, step_s=eager["step_s"]),
+                "samples/s", note=how, step_s=eager["step_s"]),
         compare(SECTION, f"{label}: graph stages, samples/s", samples / graph["step_s"],
                 "samples/s", "eager stages", samples / eager["step_s"],
-                target="ratio >= 1.0", note=steps, step_s=graph["step_s"]),
+                target="ratio >= 1.0", note=how, step_s=graph["step_s"]),
         compare(SECTION, f"{label}: graph stages, first {plan.warmup} steps", graph["warm_s"],
                 "s", "eager stages", eager["warm_s"], note="the graph stages capture here"),
     ]  # fmt: skip

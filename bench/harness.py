@@ -13,7 +13,7 @@ the baselines over a stream of microbatches that each section used to build by h
   repetitions), `step_time` of a loop, the sequential loop and the ThreadPoolExecutor
   loop beside which a section times its PipelineLoop, and each stage timed alone
   (`drafter_stage`, `time_stages`).
-- The rates the rows report: samples/s and tokens/s.
+- The rates the rows report: samples/s and tokens/s; the DFlash objective they train.
 - CPU lanes' setting: one intra-op thread each.
 """
 
@@ -32,6 +32,7 @@ import torch
 from bench.common import Context
 from examples.dflash.data import MarkovTokens
 from examples.dflash.loops import Job, Placement, drafter_loss, executor_steps, sequential_steps
+from examples.dflash.models import DrafterConfig
 from pydflash import TargetGraphs
 
 
@@ -43,6 +44,17 @@ def rate(seconds: float, microbatches: int, batch: int, seq: int) -> str:
     """What `microbatches` microbatches of batch x seq tokens in `seconds` come to."""
     samples = microbatches * batch / seconds
     return f"{samples:,.1f} samples/s, {samples * seq:,.0f} tokens/s"
+
+
+def objective(drafter: DrafterConfig) -> str:
+    """The DFlash objective `drafter` trains on the example's synthetic tokens
+    (examples/dflash/objective.py), for a row's note: its gamma, block and anchors."""
+    anchors = f"{drafter.anchors} anchors" if drafter.anchors else "an anchor every block"
+    return (
+        f"loss: DFlash's, slot k weighted exp(-(k-1)/{drafter.gamma_:g}) at block "
+        f"{drafter.block}; no loss mask (synthetic tokens: every position supervised, "
+        f"{anchors} uniform over the sequence)"
+    )
 
 
 def on_device(device: Any) -> Any:

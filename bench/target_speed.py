@@ -28,15 +28,13 @@ target_speed.txt to --out (default: $OUT, else out/target_speed) and prints the 
 last. Needs a GPU with FP8 (compute capability 9.0+), about 100 GB of GPU memory and
 transformers; FLA for the fused rows. It stops starting new variants after --budget
 seconds (default 120) and says which it skipped; the default run takes about 3 minutes.
+The variants and their device are in target_speed_variants.py, the fidelity measures in
+target_speed_fidelity.py; this module times the forwards and writes the table.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
-import functools
-import gc
 import json
 import os
 import platform
@@ -50,44 +48,26 @@ from typing import Any
 
 import torch
 
+from bench import target_speed_variants as variants
+from bench.target_speed_fidelity import fidelity, gemm_errors, layer_errors, relative_error
+from bench.target_speed_variants import (
+    BASELINE,
+    CAPTURE_ONLY,
+    VARIANTS,
+    Variant,
+    allocated,
+    build,
+    features_fn,
+    free,
+    importable,
+    on_gpu,
+    peak,
+    synchronize,
+)
+
 CONFIG = "qwen3-next-large"
 SEQ, BATCH = 4787, 2  # the long workload's mean microbatch (issue 33)
 DRAFTER_LAYERS = 5
-DEVICE = torch.device("cuda:0")  # --device
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    name: str
-    fp8: bool = False
-    fp8_backend: str = "triton"
-    fused: tuple[str, ...] = ()
-    all_hidden: bool = False  # the old forward: every layer's output kept
-    perturbed: bool = False  # the noise floor: embeddings moved one ulp (perturb_embeddings)
-    needs: str = ""  # "fla", "torchao" or "" (what must import)
-    group: str = ""  # "": the default run's; "singles" / "compile": behind those flags
-
-
-FLA = ("norms", "swiglu", "conv")
-VARIANTS = (
-    Variant("bf16 all hidden states", all_hidden=True),
-    Variant("bf16"),
-    Variant("bf16 1-ulp input", perturbed=True),
-    Variant("fp8", fp8=True),
-    Variant("fp8 torchao", fp8=True, fp8_backend="torchao", needs="torchao"),
-    Variant("bf16+fla", fused=FLA, needs="fla"),
-    Variant("fp8+fla", fp8=True, fused=FLA, needs="fla"),
-    Variant("bf16+norms", fused=("norms",), needs="fla", group="singles"),
-    Variant("bf16+swiglu", fused=("swiglu",), needs="fla", group="singles"),
-    Variant("bf16+conv", fused=("conv",), needs="fla", group="singles"),
-    # Last: Inductor's compile takes a minute or two each.
-    Variant("fp8+fla+compile", fp8=True, fused=(*FLA, "compile"), group="compile"),
-    Variant("bf16+compile", fused=("compile",), group="compile"),
-)
-BASELINE, CAPTURE_ONLY = VARIANTS[0].name, VARIANTS[1].name
-# The fidelity steps' targets: the reference, FP8, and the noise floor.
-FIDELITY = (VARIANTS[1], VARIANTS[3], VARIANTS[2])
-GEMM_LAYERS = 4  # the first decoder layers whose linear layers' FP8 error is measured
 
 # Note [Random weights amplify]: the 23 B target here has random weights, and the last
 # capture layer is 61 layers deep. Any perturbation of its input, FP8's rounding or a
@@ -133,53 +113,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def importable(needs: str) -> bool:
-    if needs == "fla":
-        from examples.dflash.fused import fla_available
-
-        return fla_available()
-    if needs == "torchao":
-        from examples.dflash.fp8 import torchao_available
-
-        return torchao_available()
-    return True
-
-
-def on_gpu() -> bool:
-    return DEVICE.type == "cuda"
-
-
-def free() -> None:
-    gc.collect()
-    if on_gpu():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def synchronize() -> None:
-    if on_gpu():
-        torch.cuda.synchronize()
-
-
-def allocated() -> int:
-    return torch.cuda.memory_allocated() if on_gpu() else 0
-
-
-def peak() -> int:
-    return torch.cuda.max_memory_allocated() if on_gpu() else 0
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
-
-
-def layer_errors(got: torch.Tensor, want: torch.Tensor, layers: int) -> list[float]:
-    """The relative error of each capture layer's output: the features are the layers'
-    outputs concatenated on the last dimension."""
-    pairs = zip(got.chunk(layers, dim=-1), want.chunk(layers, dim=-1), strict=True)
-    return [relative_error(g, w) for g, w in pairs]
-
-
 def gpu_ms(fn: Callable[[], Any]) -> tuple[float, Any]:
     """(milliseconds of GPU time between events around fn(), its result)."""
     if not on_gpu():  # a smoke run: wall time
@@ -192,103 +125,6 @@ def gpu_ms(fn: Callable[[], Any]) -> tuple[float, Any]:
     end.record()
     end.synchronize()
     return start.elapsed_time(end), out
-
-
-# The integer views that step a float's bit pattern by one ulp.
-_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-
-
-def one_ulp(x: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """x with each value's magnitude one ulp larger where `up`, one smaller elsewhere (zeros
-    stay zero there): the bit pattern plus or minus one, which moves the magnitude for
-    either sign (sign and magnitude are apart in IEEE formats)."""
-    bits = x.view(_BITS[x.dtype])
-    magnitude = bits & torch.iinfo(bits.dtype).max
-    step = torch.where(up, 1, torch.where(magnitude > 0, -1, 0)).to(bits.dtype)
-    return (bits + step).view(x.dtype)
-
-
-def perturb_embeddings(target: Any) -> None:
-    """The noise floor's input: each embedding value moved one ulp (of its dtype) up or
-    down in magnitude, the direction drawn from a fixed seed; far below FP8's rounding."""
-
-    def hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
-        generator = torch.Generator(out.device).manual_seed(7)
-        return one_ulp(out, torch.rand(out.shape, generator=generator, device=out.device) < 0.5)
-
-    target.get_input_embeddings().register_forward_hook(hook)
-
-
-def build(config: Any, variant: Variant) -> Any:
-    """The target with the variant's switches, the same random weights every time."""
-    torch.manual_seed(0)
-    cfg = dataclasses.replace(config, fp8=variant.fp8, fp8_backend=variant.fp8_backend)
-    dtype = torch.bfloat16 if on_gpu() else torch.float32  # as the example's loops
-    target = cfg.build(dtype, str(DEVICE), fused=variant.fused)
-    if variant.perturbed:
-        perturb_embeddings(target)
-    return target
-
-
-def features_fn(target: Any, variant: Variant, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
-    if not variant.all_hidden:
-        return lambda: target(ids)
-
-    def all_hidden() -> torch.Tensor:
-        out = target.model.base_model(input_ids=ids, use_cache=False, output_hidden_states=True)
-        return torch.cat([out.hidden_states[i + 1] for i in target.layers], dim=-1)
-
-    return all_hidden
-
-
-class _Enough(Exception):
-    """Raised after the layers gemm_errors measures: the rest of the forward is not needed."""
-
-
-def gemm_errors(target: Any, ids: torch.Tensor, layers: int = GEMM_LAYERS) -> list[dict]:
-    """Each linear layer of the first `layers` decoder layers of a bf16 target on the
-    activations it gets in a forward of `ids`: the relative error of FP8Linear's output
-    and of the bf16 output, each against the product in fp32 (fp32 inputs and weight)."""
-    from examples.dflash.fp8 import FP8Linear, fits
-
-    decoder = target.decoder_layers()
-    out: list[dict] = []
-
-    def compare(name: str, module: torch.nn.Module, args: Any, got: torch.Tensor) -> None:
-        x = args[0]
-        exact = torch.nn.functional.linear(
-            x.float(), module.weight.float(), None if module.bias is None else module.bias.float()
-        )
-        fp8 = FP8Linear(module)(x)
-        out.append(
-            {
-                "layer": name,
-                "shape": [x.numel() // x.shape[-1], module.in_features, module.out_features],
-                "fp8_rel_error": relative_error(fp8, exact),
-                "bf16_rel_error": relative_error(got, exact),
-                "fp8_vs_bf16": relative_error(fp8, got),
-            }
-        )
-        del exact, fp8
-
-    def stop(*_: Any) -> None:
-        raise _Enough
-
-    handles = [decoder[min(layers, len(decoder)) - 1].register_forward_hook(stop)]
-    for i, layer in enumerate(decoder[:layers]):
-        for name, module in layer.named_modules():
-            if fits(module):
-                hook = functools.partial(compare, f"{i}.{name}")
-                handles.append(module.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            target(ids)
-    except _Enough:
-        pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    return out
 
 
 def measure(config: Any, variant: Variant, ids: torch.Tensor, args, reference) -> dict:
@@ -332,86 +168,6 @@ def measure(config: Any, variant: Variant, ids: torch.Tensor, args, reference) -
     del target, forward
     free()
     return row
-
-
-def fidelity(config: Any, args: argparse.Namespace) -> dict:
-    """The drafter's losses over the same steps, from the same initial drafter and data
-    (AdamW, a microbatch a step), trained on the features of each of FIDELITY's targets,
-    and those features' per-layer errors against the first's."""
-    from examples.dflash.data import MarkovTokens
-    from examples.dflash.loops import drafter_loss
-    from examples.dflash.models import DRAFTERS, BlockDrafter
-
-    block = 8  # the 27 B recipe's drafter: block 8, 512 anchors (fewer in a short smoke run)
-    anchors = min(512, args.seq - block + 1)
-    cfg = dataclasses.replace(DRAFTERS[args.drafter], block=block, anchors=anchors)
-    data = MarkovTokens(
-        config.vocab, args.seq, args.batch, seed=5, anchors=cfg.anchors, block=block
-    )
-    batches = [
-        {k: t.to(DEVICE) for k, t in data.batch(i).items()} for i in range(args.fidelity_steps)
-    ]
-    reference: list[torch.Tensor] = []
-    initial = None
-    losses: dict[str, list[float]] = {}
-    errors: dict[str, list[list[float]]] = {}
-    failed: dict[str, str] = {}
-    for variant in FIDELITY:
-        target = drafter = optimizer = None
-        try:
-            target = build(config, variant)
-            if initial is None:  # built from the bf16 target: its embedding and head copied
-                torch.manual_seed(1)
-                with DEVICE:
-                    initial = BlockDrafter(target, cfg)
-                if on_gpu():  # as the example's drafter: frozen copies in the target's dtype
-                    initial.embed.to(torch.bfloat16)
-                    initial.lm_head.to(torch.bfloat16)
-            drafter = copy.deepcopy(initial)
-            trained = [p for p in drafter.parameters() if p.requires_grad]
-            optimizer = torch.optim.AdamW(
-                trained, lr=args.fidelity_lr, weight_decay=0.0, fused=on_gpu()
-            )
-            curve, by_step = [], []
-            for i, batch in enumerate(batches):
-                with torch.no_grad():
-                    features = target(batch["input_ids"])
-                if len(reference) < len(batches):
-                    reference.append(features)
-                by_step.append(layer_errors(features, reference[i], len(target.layers)))
-                loss = drafter_loss(drafter, {**batch, "features": features})
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                curve.append(loss.item())
-                del features, loss
-            losses[variant.name], errors[variant.name] = curve, by_step
-        except Exception as exc:  # costs this target's curve, not the others'
-            if variant is FIDELITY[0]:  # the reference: nothing to compare with
-                raise
-            failed[variant.name] = f"{type(exc).__name__}: {exc}"[:300]
-        del target, drafter, optimizer
-        free()
-    del reference, initial
-    free()
-    base = losses[FIDELITY[0].name]
-    last = {name: curve[-1] for name, curve in losses.items()}
-    return {
-        "drafter": dataclasses.asdict(cfg),
-        "steps": args.fidelity_steps,
-        "lr": args.fidelity_lr,
-        "losses": losses,
-        "last_loss": last,
-        "last_loss_relative_difference": {
-            name: (value - base[-1]) / abs(base[-1]) for name, value in last.items()
-        },
-        "mean_loss_relative_difference": {
-            name: statistics.mean((a - b) / abs(b) for a, b in zip(curve, base, strict=True))
-            for name, curve in losses.items()
-        },
-        "layer_rel_errors_by_step": errors,
-        "failed": failed,
-    }
 
 
 def _errors(values: list[float]) -> str:
@@ -495,8 +251,7 @@ def chosen(args: argparse.Namespace) -> list[Variant]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    global DEVICE
-    DEVICE = torch.device(args.device)
+    variants.use_device(args.device)
     if on_gpu() and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
         return 2
@@ -510,10 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     n = HFTargetConfig.load(args.config).config.num_hidden_layers
     config = HFTargetConfig.load(args.config, dflash_layers(n, DRAFTER_LAYERS))
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, config.vocab, (args.batch, args.seq), generator=generator).to(DEVICE)
+    ids = torch.randint(0, config.vocab, (args.batch, args.seq), generator=generator).to(
+        variants.DEVICE
+    )
     summary: dict[str, Any] = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "device": torch.cuda.get_device_name(DEVICE) if on_gpu() else platform.processor(),
+        "device": torch.cuda.get_device_name(variants.DEVICE) if on_gpu() else platform.processor(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "config": args.config,

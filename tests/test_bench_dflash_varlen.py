@@ -42,6 +42,8 @@ def test_rows_at_tiny_sizes_on_cpu_lanes():
     torch.set_num_threads(1)
     rows = {r.name.split(": ", 1)[1]: r for r in dv.run(_ctx(steps=1, warmup=1))}
     assert rows["eager stages, samples/s"].value > 0
+    for kind in ("eager", "graph"):  # the objective trained: the tiny drafter's, block 4
+        assert "exp(-(k-1)/2.5) at block 4; no loss mask" in rows[f"{kind} stages, samples/s"].note
     graphs = rows["graph stages, samples/s"]
     assert graphs.value > 0 and graphs.baseline == rows["eager stages, samples/s"].value
     assert rows["graph stages, first 1 steps"].baseline > 0

@@ -66,7 +66,7 @@ def test_default_run_leaves_singles_and_compile_behind_their_flags():
 def test_one_ulp_moves_each_magnitude_one_step_as_nextafter(dtype):
     import torch
 
-    from bench.target_speed import one_ulp
+    from bench.target_speed_variants import one_ulp
 
     dtype = getattr(torch, dtype)
     x = (torch.randn(1000) * 10).to(dtype)

@@ -13,7 +13,19 @@ import torch
 
 from bench import limits, run, seed_workload
 from bench.common import Context
-from bench.seed_workload import Lengths, Options, Workload
+from bench.seed_workload import Options
+from bench.seed_workload_common import failed_row, free
+from bench.seed_workload_flops import drafter_flops, target_flops, target_shape
+from bench.seed_workload_lengths import (
+    Lengths,
+    VariedSetup,
+    Workload,
+    recipe_layers,
+    varied_batches,
+)
+from bench.seed_workload_loops import LOOPS, Bench
+from bench.seed_workload_memory import memory, memory_rows
+from examples.dflash import loops
 from examples.dflash.loops import (
     Job,
     PipelineLoop,
@@ -46,7 +58,7 @@ def test_timed_windows_are_stratified_on_their_own():
     workload = Workload.cpu()
     job = Job(workload.target, next(iter(workload.drafters.values())), 96, 2, 4, 1e-3)
     long = workload.lengths["long"]
-    setup = seed_workload.VariedSetup(job, Placement(("cpu",), ("cpu",)), 2, 2, 1, False)
+    setup = VariedSetup(job, Placement(("cpu",), ("cpu",)), 2, 2, 1, False)
     setup.lengths = long
     batches = setup.batches(2 * 3 * 4)  # two repetitions of a warm-up step and two timed
     seen = [b["input_ids"].shape[1] for b in batches]
@@ -58,8 +70,8 @@ def test_timed_windows_are_stratified_on_their_own():
 
 
 def test_capture_layers_follow_the_recipe():
-    assert seed_workload.recipe_layers(64) == (5, 19, 33, 47, 61)
-    assert seed_workload.recipe_layers(16) == (1, 5, 8, 12, 15)
+    assert recipe_layers(64) == (5, 19, 33, 47, 61)
+    assert recipe_layers(16) == (1, 5, 8, 12, 15)
 
 
 @pytest.mark.parametrize("length", [24, 40, 96])
@@ -74,10 +86,10 @@ def test_counted_drafter_flops_match_torch_s_counter(length):
         inputs = {**batch, "features": models.targets[0](batch["input_ids"])}
     drafter = models.drafters[0]
     counted = limits.count_flops(lambda: drafter_loss(drafter, inputs).backward())
-    assert seed_workload.drafter_flops(drafter, 2, length) == pytest.approx(counted, rel=0.02)
-    shape = seed_workload.target_shape(models.targets[0])
+    assert drafter_flops(drafter, 2, length) == pytest.approx(counted, rel=0.02)
+    shape = target_shape(models.targets[0])
     linear = 2 * 2 * length * shape[0]  # the target's linear layers, the bulk of its FLOPs
-    assert seed_workload.target_flops(shape, 2, length) > linear > 0
+    assert target_flops(shape, 2, length) > linear > 0
 
 
 def test_section_runs_every_row_on_cpu_and_writes_the_memory_plot(tmp_path):
@@ -92,13 +104,15 @@ def test_section_runs_every_row_on_cpu_and_writes_the_memory_plot(tmp_path):
     assert result["sections"]["seed_workload"]["status"] == "ok"
     rows = {r["name"]: r for r in result["rows"]}
     assert not any(name.startswith("chat") for name in rows)
-    for what in ("long, block 4, 8 anchors", "long, block 8, 4 anchors"):
-        for loop in seed_workload.LOOPS:
+    for what, gamma in (("long, block 4, 8 anchors", 2.5), ("long, block 8, 4 anchors", 4)):
+        for loop in LOOPS:
             row = rows[f"{what}: {loop}, samples/s"]
             assert row["value"] > 0 and row["extra"]["tokens_per_s"] > row["value"]
+            assert f"exp(-(k-1)/{gamma:g}) at block" in row["note"]  # the objective it trains
+            assert "no loss mask" in row["note"]
     fp8 = rows["long, block 4, 8 anchors, fp8 target: pipeline, eager stages, samples/s"]
     assert fp8["value"] > 0 and fp8["extra"]["target_variant"] == "fp8"
-    mean = rows[f"long, block 4, 8 anchors: {seed_workload.LOOPS[0]}, samples/s"]["extra"]
+    mean = rows[f"long, block 4, 8 anchors: {LOOPS[0]}, samples/s"]["extra"]
     assert mean["mean_length"] == pytest.approx(Workload.cpu().lengths["long"].expected(), abs=4)
     for batch in (1, 2):
         assert rows[f"bf16 target: largest length that fits at batch {batch}"]["value"] == 128
@@ -135,7 +149,7 @@ def test_long_workload_trains_through_the_pipeline_as_the_sequential_loop_on_a_g
     drafter = workload.drafters["block 8, 512 anchors"]
     job = Job(target, drafter, 16384, batch=2, accumulate=2, lr=1e-4)
     lengths = dataclasses.replace(workload.lengths["long"], high=16384)
-    batches = seed_workload.varied_batches(job, lengths, 3 * job.accumulate)
+    batches = varied_batches(job, lengths, 3 * job.accumulate)
     assert max(b["input_ids"].shape[1] for b in batches) > 8192
     placement = Placement(("cuda:0",), ("cuda:0",))
     losses = {}
@@ -151,7 +165,7 @@ def test_long_workload_trains_through_the_pipeline_as_the_sequential_loop_on_a_g
             finally:
                 loop.close()
         del models
-        seed_workload.free()
+        free()
     assert all(torch.isfinite(torch.tensor(s)).all() for s in losses.values())
     torch.testing.assert_close(losses["pipeline"], losses["sequential"], rtol=2e-3, atol=2e-3)
 
@@ -171,7 +185,7 @@ def test_over_the_budget_the_rest_are_rows_that_say_so_and_a_failure_its_first_l
     ):
         assert rows[name].value is None and "over the --budget" in rows[name].note
     error = RuntimeError("CUDA error: operation not permitted when stream is capturing\nSearch")
-    row = seed_workload.failed_row("x", error)
+    row = failed_row("x", error)
     assert (
         row.note
         == "failed: RuntimeError: CUDA error: operation not permitted when stream is capturing"
@@ -183,23 +197,23 @@ def test_an_out_of_memory_point_is_recorded_and_the_next_ones_still_run(monkeypa
     job = Job(workload.target, next(iter(workload.drafters.values())), 64, 1, 1, 1e-3)
     placement = Placement(("cpu",), ("cpu",))
     ctx = Context(quick=True, gpus=0, progress=lambda message: None)
-    bench = seed_workload.Bench(ctx, build_models(job, placement), job, placement)
-    plain = seed_workload.loops.sequential_steps
+    bench = Bench(ctx, build_models(job, placement), job, placement)
+    plain = loops.sequential_steps
 
     def short_memory(models, placement, job, data, steps):
         if job.seq == 64:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
         yield from plain(models, placement, job, data, steps)
 
-    monkeypatch.setattr(seed_workload.loops, "sequential_steps", short_memory)
-    points = bench.memory((32, 64, 96), (1,))
+    monkeypatch.setattr(loops, "sequential_steps", short_memory)
+    points = memory(bench, (32, 64, 96), (1,))
     assert [("oom" in p, "samples_per_s" in p) for p in points] == [
         (False, True),
         (True, False),
         (False, True),
     ]
     assert points[1]["oom"].startswith("OutOfMemoryError: CUDA out of memory")
-    rows = seed_workload.memory_rows(points, "bf16 target", False, {})
+    rows = memory_rows(points, "bf16 target", False, {})
     fits = {r.name: r.value for r in rows}
     assert fits["bf16 target: largest length that fits at batch 1"] == 96
     assert fits["bf16 target: memory at 1 x 64"] is None
