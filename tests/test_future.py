@@ -335,18 +335,28 @@ def test_a_wait_lets_a_lane_waiting_for_the_gil_run_its_queue_first(lane) -> Non
         if event == "call" and frame.f_code is base._create_and_install_waiters.__code__:
             installed.append(frame)
 
-    rounds, without_waiters = 20, 0
-    for _ in range(rounds):
-        futures = [lane.submit(int) for _ in range(64)]
-        installed.clear()
-        sys.setprofile(profile)
-        try:
-            done, not_done = cf.wait(futures)
-        finally:
-            sys.setprofile(None)
-        assert done == set(futures) and not not_done
-        without_waiters += not installed
-    assert without_waiters >= rounds // 2, f"{without_waiters} of {rounds} waits without waiters"
+    def waits_without_waiters(rounds: int) -> int:
+        count = 0
+        for _ in range(rounds):
+            # Past the 10 ms in which a wait skips the hand-over after one that found its
+            # future still pending (Note [Handing the GIL to a waiting worker]).
+            time.sleep(0.02)
+            futures = [lane.submit(int) for _ in range(64)]
+            installed.clear()
+            sys.setprofile(profile)
+            try:
+                done, not_done = cf.wait(futures)
+            finally:
+                sys.setprofile(None)
+            assert done == set(futures) and not not_done
+            count += not installed
+        return count
+
+    # The best of three tries: a burst of other processes' load can keep the worker from
+    # running in time, and must not decide the test; without the hand-over every try is 0.
+    rounds = 20
+    best = max(waits_without_waiters(rounds) for _ in range(3))
+    assert best >= rounds // 2, f"{best} of {rounds} waits without waiters"
 
 
 def test_a_wait_hands_the_gil_over_only_briefly(lane) -> None:
