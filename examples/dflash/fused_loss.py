@@ -104,6 +104,19 @@ def linear_cross_entropy(
         chunk: rows per chunk; the peak extra memory is about chunk x vocab x 10 bytes.
         ignore_index: the label of rows to leave out.
     """
+    hidden, weights = _checked(hidden, weight, labels, weights, chunk)
+    return _LinearCrossEntropy.apply(hidden, weight, labels, weights, chunk, ignore_index)
+
+
+def _checked(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor | None,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both kernels' arguments checked: the hidden states in the head's dtype, and the row
+    weights (default 1)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"expected hidden [rows, dim] and weight [vocab, dim], got "
@@ -115,9 +128,7 @@ def linear_cross_entropy(
         raise ValueError(f"expected chunk >= 1, got {chunk}")
     if weights is None:
         weights = torch.ones(labels.shape, device=hidden.device)
-    if hidden.dtype != weight.dtype:
-        hidden = hidden.to(weight.dtype)
-    return _LinearCrossEntropy.apply(hidden, weight, labels, weights, chunk, ignore_index)
+    return hidden.to(weight.dtype), weights
 
 
 def liger_linear_cross_entropy(
@@ -134,17 +145,13 @@ def liger_linear_cross_entropy(
     weights need its reduction="none", whose backward recomputes each chunk's logits
     (a third head matmul), and its forward counts the rows with a host sync (.item()),
     so a graph drafter runs this loss eagerly."""
-    del chunk
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     except ImportError as exc:
         raise ModuleNotFoundError(
             "the liger loss kernel needs liger-kernel: pip install liger-kernel", name=exc.name
         ) from exc
-    if weights is None:
-        weights = torch.ones(labels.shape, device=hidden.device)
-    if hidden.dtype != weight.dtype:
-        hidden = hidden.to(weight.dtype)
+    hidden, weights = _checked(hidden, weight, labels, weights, chunk)
     loss = LigerFusedLinearCrossEntropyLoss(
         ignore_index=ignore_index, reduction="none", accum_dtype=torch.float32
     )
