@@ -47,6 +47,9 @@ def test_rows_at_tiny_sizes_on_cpu_lanes():
     graphs = rows["graph stages, samples/s"]
     assert graphs.value > 0 and graphs.baseline == rows["eager stages, samples/s"].value
     assert rows["graph stages, first 1 steps"].baseline > 0
+    run = rows["graph stages, samples/s over the run"]
+    assert run.value > 0 and run.baseline > 0 and run.target == "ratio >= 1.0"
+    assert "all 2 steps" in run.note
     drafter = rows["drafter graph stage, capture seconds"].extra
     assert drafter["step"] == ["eager"]  # CPU lanes capture nothing
     assert {"capture_attempts", "pool_gb", "policy_choices"} <= set(drafter)

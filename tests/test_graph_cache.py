@@ -127,6 +127,8 @@ class FakeCuda:
         self.invalidated = False
         self.fail_at = None
         self.quiet = True
+        self.host_ms = 1e6  # each timed warm-up call's launch: host-bound unless a test says
+        self.clock = 0.0
         self.made = 0
         self.generator_capturing = False
         self.nodes = 0  # kernels recorded by the capture underway
@@ -158,6 +160,11 @@ class FakeCuda:
     def device_quiet(self, lane, timeout):
         yield self.quiet
 
+    def tick(self):
+        """The host clock of a timed warm-up call: `host_ms` passes in each call."""
+        self.clock += self.host_ms / 1000
+        return self.clock
+
 
 class FakeEvent:
     """A CUDA timing event that has passed, at `at` ms."""
@@ -186,6 +193,7 @@ def cuda(monkeypatch):
     monkeypatch.setattr(_cuda_capture, "end_generator_capture", fake.end_generator_capture)
     monkeypatch.setattr(_cuda_capture, "launch_marker", fake.launch)
     monkeypatch.setattr(_cuda_capture, "empty_cache", fake.allocator.empty_cache)
+    monkeypatch.setattr(graphs, "perf_counter", fake.tick)
     pools = iter(range(1, 1000))
     monkeypatch.setattr(lane_cache, "_new_pool", lambda: (0, next(pools)))
     monkeypatch.setattr(lane_cache, "pool_bytes", fake.allocator.pool_bytes)
@@ -424,6 +432,44 @@ def test_auto_policy_drops_a_graph_no_faster_than_eager(cuda, monkeypatch, graph
         assert dropped["graph_ms"] == 9.5 and "GPU-bound" in dropped["reason"]
         assert stats["fallbacks"] == {}  # the policy's choice is no fallback
         assert stats["lanes"][LANE.label]["dropped"] == 1
+
+
+def test_a_call_its_host_launches_faster_than_the_gpu_runs_it_is_never_captured(cuda, monkeypatch):
+    """Note [A policy for the whole step]: the timed warm-up call ran 10 ms on the GPU and
+    took the host 5 ms to launch: the GPU limits it, a graph would only add padding. Nothing
+    is captured, the key runs eagerly (unpadded, no warning), and once PREDICT_AFTER keys
+    were judged so, a new key is not even warmed up."""
+    _timed(monkeypatch, eager_ms=10.0, graph_ms=10.0)  # every warm-up call: 10 ms
+    cuda.host_ms = 5.0
+    cache = GraphCache("stage", warmup=1)
+    lane = cache.lane(LANE)
+    for key in range(policy.PREDICT_AFTER):
+        assert lane.get_or_capture(key, lambda: (forward(cuda), None), label=(2, key)) is None
+        assert lane.get_or_capture(key, lambda: pytest.fail("warmed up again")) is None
+    assert lane.get_or_capture("new", lambda: pytest.fail("warmed up")) is None
+    stats = cache.stats()
+    s = stats["lanes"][LANE.label]
+    assert (s["capture_attempts"], s["captures"], s["pool_bytes"]) == (0, 0, 0)
+    assert cuda.allocator.use_count == {}  # no capture began
+    assert s["policy_choices"] == {"gpu-bound": 2, "predicted GPU-bound": 1}
+    assert stats["fallbacks"] == {} and s["eager_runs"] == 5
+    first = stats["eager_buckets"][0]
+    assert (first["eager_ms"], first["host_ms"], first["graph_ms"]) == (10.0, 5.0, None)
+    assert "launching it eagerly took the host 5 ms, running it the GPU 10 ms" in first["reason"]
+
+
+@pytest.mark.parametrize(("host_ms", "kept"), [(1e6, True), (9.5, False)])
+def test_a_graph_must_beat_the_eager_calls_launch_as_well_as_its_gpu_time(
+    cuda, monkeypatch, host_ms, kept
+):
+    """A replay of 8.8 ms beats a 10 ms eager call by more than gpu_bound_ratio=0.9, but
+    not an eager call whose launch, 9.5 ms, is what it costs a pipeline."""
+    _timed(monkeypatch, eager_ms=10.0, graph_ms=8.8)
+    cuda.host_ms = host_ms
+    cache = GraphCache("stage", warmup=1)
+    assert _replayed_until_judged(cache.lane(LANE), "k", cuda) == kept
+    s = cache.stats()["lanes"][LANE.label]
+    assert (s["capture_attempts"], s["dropped"]) == (1, 0 if kept else 1)
 
 
 def test_eager_policy_captures_nothing(cuda):

@@ -6,6 +6,7 @@ kernels themselves are checked against transformers' modules on a GPU."""
 
 from __future__ import annotations
 
+import copy
 import sys
 import types
 
@@ -165,6 +166,7 @@ def test_fused_target_matches_transformers_on_gpu(fusions):
     plain = config.build(torch.bfloat16, "cuda:0")
     with torch.no_grad():
         want = plain(ids).float()
+        exact = copy.deepcopy(plain).float()(ids)  # the same weights, computed in fp32
     del plain
     torch.manual_seed(0)
     model = config.build(torch.bfloat16, "cuda:0", fused=fused.parse_fusions(fusions))
@@ -172,6 +174,9 @@ def test_fused_target_matches_transformers_on_gpu(fusions):
         got = model(ids).float()
         again = model(ids).float()
     # bf16 rounding in a different order (FLA and Inductor round each fused expression
-    # once): well under a percent of the features' norm over 7 layers.
-    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    # once), and random weights amplify any rounding layer after layer: the fused target
+    # is held to transformers' own bf16 error against fp32, not to transformers' bf16.
+    error = ((got - exact).norm() / exact.norm()).item()
+    plain_error = ((want - exact).norm() / exact.norm()).item()
+    assert error < 2 * plain_error + 1e-3, (error, plain_error)
     assert torch.equal(got, again)

@@ -605,10 +605,14 @@ def test_gpu_auto_policy_runs_a_gpu_bound_bucket_eagerly_and_keeps_a_launch_boun
         heavy.release(got)
         light.release(light.submit(lane, {"x": x_light}).wait_stream())
     torch.cuda.synchronize()
-    (dropped,) = heavy.stats()["eager_buckets"]
-    assert dropped["bucket"] == (1, 2048) and dropped["graph_ms"] >= 0.9 * dropped["eager_ms"]
+    (judged,) = heavy.stats()["eager_buckets"]
+    # Judged by its warm-up (Note [A policy for the whole step]): its 4 matmuls launch in
+    # far less than the GPU runs them, so it is never captured.
+    assert judged["bucket"] == (1, 2048) and judged["graph_ms"] is None
+    assert judged["host_ms"] < 0.9 * judged["eager_ms"], judged
     heavy_lane = heavy.stats()["lanes"][lane.label]
-    assert heavy_lane["buckets"] == [] and heavy_lane["eager_runs"] >= 2
+    assert heavy_lane["buckets"] == [] and heavy_lane["eager_runs"] >= 4
+    assert heavy_lane["capture_attempts"] == 0 and heavy_lane["pool_bytes"] == 0
     assert heavy.stats()["padding_waste"] < 48 / 2048  # the eager runs are unpadded
     assert light.stats()["eager_buckets"] == []
     assert light.stats()["lanes"][lane.label]["replays"] == 5

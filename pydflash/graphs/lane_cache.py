@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from functools import partial
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ from .policy import (
     Policy,
     choices,
     gpu_bound,
+    gpu_bound_eagerly,
     not_worth_capturing,
     repaid,
 )
@@ -50,6 +52,7 @@ class GraphEntry:
     label: Any
     pool: Any = None  # a Pool
     eager_ms: float | None = None
+    host_ms: float | None = None  # the host's time to launch the eager call
     graph_ms: list[float] = field(default_factory=list)
     exec_handle: int | None = None  # its cudaGraphExec_t, once `LaneGraphCache.exec_handle` read it
     _events: list[tuple[Any, Any]] = field(default_factory=list)
@@ -258,7 +261,6 @@ class LaneGraphCache:
                     self._retire_empty_locked(evicted.pool)
                     del evicted
             pool = self._pool_for(pool_name)  # a Pool
-            self.capture_attempts += 1
         if self.retiring:
             self._give_back_pools()
         if timed is None:
@@ -275,14 +277,24 @@ class LaneGraphCache:
                 timed=timed,
                 turn=name,
                 quiet_timeout=owner.quiet_timeout,
+                judge=partial(gpu_bound_eagerly, ratio=owner.gpu_bound_ratio)
+                if owner.policy is Policy.AUTO
+                else None,
             )
+        except lane_graph.NotWorthCapturing as no:
+            self._spent(began)
+            self._judged(key, label, pool, no.reason, no.eager_ms, no.host_ms, graph_ms=None)
+            return self._eager_run(key)
         except Exception as exc:  # noqa: BLE001 - never crash the step: run eagerly
             self._spent(began)
             return self._capture_failed(key, label, exc, pool)
         self._spent(began, pool.name)
-        entry = GraphEntry(captured.graph, captured.outputs, data, label, pool, captured.eager_ms)
+        entry = GraphEntry(
+            captured.graph, captured.outputs, data, label, pool, captured.eager_ms, captured.host_ms
+        )
         measured = pool_bytes(pool.handle, self.lane.device_index)
         with owner._lock:
+            self.capture_attempts += 1
             self.captures += 1
             pool.bytes = measured
             self.tries.pop(key, None)
@@ -332,6 +344,7 @@ class LaneGraphCache:
         )
         detail = f"{label} on {self.label}: {detail}"
         with self.owner._lock:
+            self.capture_attempts += 1
             self._failed_locked(key, kind, detail)
             if kind == "capture failed":
                 # Note [A failed capture]: the next capture takes a fresh pool; the old one
@@ -350,31 +363,51 @@ class LaneGraphCache:
         if len(entry.graph_ms) < TIMED_REPLAYS or entry.eager_ms is None:
             return True
         graph_ms = min(entry.graph_ms)
-        owner = self.owner
-        reason = gpu_bound(graph_ms, entry.eager_ms, owner.gpu_bound_ratio)
-        with owner._lock:
-            counts = self.measured.setdefault(entry.pool.name, [0, 0])
+        reason = gpu_bound(graph_ms, entry.eager_ms, entry.host_ms, self.owner.gpu_bound_ratio)
+        if reason is not None:
+            with self.owner._lock:
+                if self.graphs.pop(key, None) is not None:
+                    self.dropped += 1
+        self._judged(
+            key, entry.label, entry.pool, reason or "", entry.eager_ms, entry.host_ms, graph_ms
+        )
+        return reason is None
+
+    def _judged(
+        self,
+        key: Hashable,
+        label: Any,
+        pool: Pool,
+        reason: str,
+        eager_ms: float,
+        host_ms: float | None,
+        graph_ms: float | None,
+    ) -> None:
+        """Records the policy's judgement of `key` in `pool` (Note [A policy for the whole
+        step]): GPU-bound with `reason` (runs eagerly from now on, listed in
+        eager_buckets), or kept where `reason` is empty; `graph_ms` None: judged by its
+        warm-up alone, never captured."""
+        cost = eager_ms if host_ms is None else min(eager_ms, host_ms)
+        saved = 0.0 if graph_ms is None else max(0.0, cost - graph_ms)
+        with self.owner._lock:
+            counts = self.measured.setdefault(pool.name, [0, 0])
             counts[0] += 1
-            counts[1] += reason is not None
-            saved = max(0.0, entry.eager_ms - graph_ms)
-            self.savings.setdefault(entry.pool.name, []).append(saved)
-        if reason is None:
-            return True
-        with owner._lock:
-            if self.graphs.pop(key, None) is not None:
-                self.dropped += 1
+            counts[1] += bool(reason)
+            self.savings.setdefault(pool.name, []).append(saved)
+            if not reason:
+                return
             self.eager[key] = ("gpu-bound", reason)
-            self._retire_empty_locked(entry.pool)
-            owner._eager_buckets.append(
+            self._retire_empty_locked(pool)
+            self.owner._eager_buckets.append(
                 {
                     "lane": self.label,
-                    "bucket": entry.label,
+                    "bucket": label,
                     "reason": reason,
-                    "eager_ms": entry.eager_ms,
+                    "eager_ms": eager_ms,
+                    "host_ms": host_ms,
                     "graph_ms": graph_ms,
                 }
             )
-        return False
 
     def _retire_empty_locked(self, pool: Pool) -> None:
         """`pool` goes to `retiring` when no graph of it is left. Under the lock."""

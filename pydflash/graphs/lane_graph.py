@@ -66,6 +66,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from .. import compile_queue
@@ -313,15 +314,27 @@ class CaptureFailed(GraphCaptureError):
         return (type(self), (self.kind, self.detail))
 
 
+class NotWorthCapturing(Exception):
+    """What `capture_graph` raises when its `judge` found the timed warm-up call not worth
+    a graph: `reason` says why; nothing was captured. A choice, not a failure."""
+
+    def __init__(self, reason: str, eager_ms: float, host_ms: float) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.eager_ms = eager_ms
+        self.host_ms = host_ms
+
+
 @dataclass
 class Captured:
     """What `capture_graph` made: the torch graph, what fn returned while it was captured
-    (the buffers every replay writes), and with timed=True the GPU time of the last
-    warm-up call in milliseconds (None otherwise)."""
+    (the buffers every replay writes), and with timed=True, of the last warm-up call, the
+    GPU time and the host's time to launch it, in milliseconds (None otherwise)."""
 
     graph: Any
     outputs: Any
     eager_ms: float | None = None
+    host_ms: float | None = None
 
 
 def capture_graph(
@@ -333,16 +346,25 @@ def capture_graph(
     timed: bool = False,
     turn: str | None = None,
     quiet_timeout: float = DEFAULT_QUIET_TIMEOUT,
+    judge: Callable[[float, float], str | None] | None = None,
 ) -> Captured:
     """Captures fn() as a CUDA graph into memory pool `pool`, from a task on `lane`'s
     worker (the lane stream current). fn runs `warmup` times eagerly first; with `turn`
     (a bucket's name) the warm-up takes turns with other lanes' warm-ups of that name in
-    the compile queue; with `timed` the last warm-up call is timed on the GPU. The capture
-    itself runs while the device's other lanes are paused (Note [Capturing beside other
-    lanes]). Raises CaptureFailed, having left no trace (Note [A failed capture]); errors
-    of the warm-up propagate as they are."""
+    the compile queue; with `timed` the last warm-up call is timed, on the GPU and on the
+    host, and `judge(eager_ms, host_ms)`, if given, may refuse the capture with a reason
+    (NotWorthCapturing). The capture itself runs while the device's other lanes are paused
+    (Note [Capturing beside other lanes]). Raises CaptureFailed, having left no trace (Note
+    [A failed capture]); errors of the warm-up propagate as they are."""
     counted(warmup, "warmup", minimum=0)
-    eager_ms = _warm_up(fn, lane, warmup, timed, turn)
+    timing = _warm_up(fn, lane, warmup, timed, turn)
+    eager_ms = host_ms = None
+    if timing is not None:
+        _cuda.stream_idle()  # the timed call has run: its events can be read
+        eager_ms, host_ms = timing()
+        reason = judge(eager_ms, host_ms) if judge is not None else None
+        if reason is not None:
+            raise NotWorthCapturing(reason, eager_ms, host_ms)
     with _cuda.device_quiet(lane, quiet_timeout) as quiet:
         if not quiet:
             raise CaptureFailed(
@@ -362,17 +384,20 @@ def capture_graph(
                 _leave_no_trace(graph, lane.device_index, pool)
                 detail = f"{type(exc).__name__}: {first_line(exc)}"
                 raise CaptureFailed("capture failed", detail) from exc
-    return Captured(graph, outputs, None if eager_ms is None else eager_ms())
+    return Captured(graph, outputs, eager_ms, host_ms)
 
 
 def _warm_up(
     fn: Callable[[], Any], lane: Lane, warmup: int, timed: bool, turn: str | None
-) -> Callable[[], float] | None:
-    """Runs the warm-up; returns how to read the last call's GPU time (once the stream
-    has passed it: capture_graph makes it idle before capturing), or None."""
+) -> Callable[[], tuple[float, float]] | None:
+    """Runs the warm-up; returns how to read the last call's (GPU ms, host ms), once the
+    stream has passed it, or None. The host's time is the wall time of launching it, GIL
+    waits included: what a graph's replay saves the host (Note [A policy for the whole
+    step] in pydflash/graphs/policy.py)."""
     if warmup == 0:
         return None
     timer: list[Any] = []
+    host: list[float] = []
 
     def warm() -> None:
         for call in range(warmup):
@@ -382,7 +407,9 @@ def _warm_up(
                 _cuda.stream_idle()
                 timer.extend(_cuda.timing_events())
                 timer[0].record()
+                began = perf_counter()
                 fn()
+                host.append(1000 * (perf_counter() - began))
                 timer[1].record()
             else:
                 fn()
@@ -394,7 +421,7 @@ def _warm_up(
     if not timer:
         return None
     start, end = timer
-    return lambda: float(start.elapsed_time(end))
+    return lambda: (float(start.elapsed_time(end)), host[0])
 
 
 def _leave_no_trace(graph: Any | None, device: int, pool: Any) -> None:

@@ -30,28 +30,39 @@ DEFAULT_GPU_BOUND_RATIO = 0.9
 TIMED_REPLAYS = 2
 PREDICT_AFTER = 2  # graphs measured in a pool before the policy predicts for the rest
 
-# Note [A policy for the whole step]: a graph saves host launch time and costs its capture
-# (warm-up calls, then the capture, with the device's other lanes paused) and its pool's
-# memory. Under Policy.AUTO:
+# Note [A policy for the whole step]: a graph saves the host the time to launch a call
+# and costs its capture (warm-up calls, then the capture, with the device's other lanes
+# paused), its pool's memory, and its padding: the GPU runs the whole bucket. In a
+# pipeline whose GPU is busy anyway (a large target, or a drafter sharing its device), the
+# host launches eagerly while the GPU works, so saved launches buy nothing and padding
+# costs GPU time: that made graph stages slower than eager. So a call is worth a graph
+# only where its host, not its GPU, limits it. Under Policy.AUTO:
 # - a key is captured only once seen `capture_after` times: one seen once may never come
 #   back, and its eager run is unpadded;
 # - a lane spends at most `capture_budget` seconds capturing (None: no limit); past it,
 #   new keys run eagerly;
-# - each graph's first replays are timed against its eager warm-up call; one no faster
-#   than `gpu_bound_ratio` of eager is dropped, runs eagerly and unpadded, and its pool is
-#   given back once empty (Note [Giving a pool back]);
-# - once PREDICT_AFTER graphs of a pool were measured and every one was GPU-bound, the
-#   keys not captured yet are predicted GPU-bound too and never captured: a forward that
-#   fills the GPU at one length fills it at the others, and capturing each bucket only to
-#   drop it is what made graph stages slower than eager on large targets;
+# - the last warm-up call is timed from an idle stream, on the GPU and on the host;
+#   where launching it took the host less than `gpu_bound_ratio` of the GPU's time, the
+#   GPU limits the call: nothing is captured (`gpu_bound_eagerly`), and the key runs eagerly and
+#   unpadded;
+# - otherwise the graph's first replays are timed; one no faster than `gpu_bound_ratio`
+#   of what the eager call costs a pipeline, the lesser of its GPU time and its launch
+#   time, is dropped, runs eagerly and unpadded, and its pool is given back once empty
+#   (Note [Giving a pool back]);
+# - once PREDICT_AFTER keys of a pool were measured and every one was GPU-bound, the
+#   keys not captured yet are predicted GPU-bound too and never warmed up: a forward
+#   that fills the GPU at one length fills it at the others;
 # - once graphs of a pool were measured, a new key is captured only when it would repay
 #   its capture (`repaid`): the GPU time a replay saved in that pool (the median over
-#   its measured graphs) times the key's uses, counting as many uses to come as it has
+#   its measured keys) times the key's uses, counting as many uses to come as it has
 #   had so far, against the seconds a capture took there (the fastest, without a cold
 #   start's compiling). A key not worth it yet runs eagerly and unpadded, and is weighed
 #   again at its next call: a frequent bucket gets its graph, a rare one never does.
 #   A pool's memory is not priced here: max_pool_bytes caps it.
-# What stays is a graph that was measured faster than eager: the launch-bound gains.
+# What stays is a graph of a launch-bound call, measured faster than eager: the
+# launch-bound gains. The timings are taken where the stage runs, beside the device's
+# other lanes: a GPU another lane keeps busy makes a call's GPU time longer, and it is
+# judged GPU-bound, as it is in that pipeline.
 
 
 # Kinds of eager record that are the policy's choice, not a fallback: no warning.
@@ -91,19 +102,34 @@ def not_worth_capturing(
     return None
 
 
-def gpu_bound(graph_ms: float, eager_ms: float, ratio: float) -> str | None:
-    """Why a graph no faster than `ratio` of its eager call is dropped, or None."""
-    if graph_ms < ratio * eager_ms:
+def gpu_bound_eagerly(eager_ms: float, host_ms: float, ratio: float) -> str | None:
+    """Before a capture: why an eager call whose launch took the host `host_ms` and the
+    GPU `eager_ms` is GPU-bound (the host launched it in less than `ratio` of the GPU's
+    time), or None: its launches limit it, a graph may pay."""
+    if host_ms >= ratio * eager_ms:
         return None
     return (
-        f"GPU-bound: its graph took {graph_ms:.3g} ms against {eager_ms:.3g} ms eager "
-        f"(gpu_bound_ratio={ratio:g})"
+        f"GPU-bound: launching it eagerly took the host {host_ms:.3g} ms, running it the GPU "
+        f"{eager_ms:.3g} ms (gpu_bound_ratio={ratio:g})"
+    )
+
+
+def gpu_bound(graph_ms: float, eager_ms: float, host_ms: float | None, ratio: float) -> str | None:
+    """After a capture: why a graph no faster than `ratio` of its eager call's cost (the
+    lesser of its GPU time and, where timed, its launch's host time) is dropped, or None."""
+    cost = eager_ms if host_ms is None else min(eager_ms, host_ms)
+    if graph_ms < ratio * cost:
+        return None
+    launch = "" if host_ms is None else f", launched in {host_ms:.3g} ms"
+    return (
+        f"GPU-bound: its graph took {graph_ms:.3g} ms against {eager_ms:.3g} ms eager"
+        f"{launch} (gpu_bound_ratio={ratio:g})"
     )
 
 
 def repaid(seen: int, savings_ms: list[float], costs_s: list[float]) -> tuple[str, str] | None:
     """("rare", why) when a key used `seen` times would not yet repay its capture, by
-    what the pool's measured graphs saved per replay (`savings_ms`) and what its captures
+    what the pool's measured keys saved per replay (`savings_ms`) and what its captures
     took (`costs_s`); None (capture it) before anything was measured."""
     if not savings_ms or not costs_s:
         return None

@@ -23,9 +23,12 @@ the others find warm caches. The capture itself pauses the device's other lanes 
 Note [When graphs pay]: a graph saves the host's launch time, nothing on the GPU. A
 forward that keeps the GPU busy without it (a 25 B target at 512 to 2048 tokens: 190 ms of
 kernels per microbatch) gains nothing, and padding costs it compute. So with policy
-"auto" each bucket's warm-up call and first replays are timed on the GPU (CUDA events,
-read once passed: no host sync), and a bucket whose graph takes at least `gpu_bound_ratio`
-of the eager time runs eagerly and unpadded from then on (`stats()["eager_buckets"]`).
+"auto" each bucket's last warm-up call is timed on the GPU (CUDA events) and on the host:
+where the host launched it in less than `gpu_bound_ratio` of its GPU time, nothing is
+captured; otherwise the graph's first replays are timed too (read once passed: no host
+sync), and a bucket whose graph takes at least `gpu_bound_ratio` of the eager call's cost
+runs eagerly and unpadded from then on (`stats()["eager_buckets"]`; Note [A policy for the
+whole step] in pydflash/graphs/policy.py).
 `stats()["padding_waste"]` is the fraction of processed tokens that were padding.
 
 Fallback: when no graph can serve (a length above the largest bucket, a capture that
@@ -121,10 +124,11 @@ class TargetGraphs(TargetStage):
         max_graphs: graphs kept per lane; beyond it the least recently used is dropped.
         policy: a `pydflash.Policy` or its string. "auto" (default) runs a bucket eagerly
             and unpadded when its graph does not pay (Note [When graphs pay], and Note [A
-            policy for the whole step] in pydflash/graphs/cache.py); "graphs" keeps every
+            policy for the whole step] in pydflash/graphs/policy.py); "graphs" keeps every
             graph; "eager" captures nothing and runs every batch unpadded.
-        gpu_bound_ratio: with "auto", a graph taking at least this fraction of the eager
-            forward's GPU time is dropped (default 0.9).
+        gpu_bound_ratio: with "auto", a bucket whose eager launch takes the host less
+            than this fraction of its GPU time is not captured, and a graph taking at
+            least this fraction of the eager call's cost is dropped (default 0.9).
         capture_after: with "auto", a bucket is captured at its capture_after-th batch
             (default 1); `warmup()` captures at once.
         capture_budget: with "auto", the most seconds a lane spends capturing (None: no
