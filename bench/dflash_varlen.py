@@ -12,6 +12,7 @@ In one run, on the same models and the same microbatches:
 - the pipeline with `TargetGraphs` + `DrafterGraphs` (policy "auto": graphs where they
   pay, Note [A policy for the whole step] in pydflash/graphs/policy.py).
 
+Two untimed eager steps come first, so that neither kind pays the process's cold start.
 Each: samples/s over the whole run (50 optimizer steps on a GPU, captures included: what a
 user's run sees), over its timed steps (the first 3 left out), the seconds of the first
 steps, and per
@@ -31,6 +32,7 @@ It runs with --full (it would take the default run past three minutes), or alone
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import sys
 import time
@@ -55,6 +57,7 @@ TINY_LENGTHS = (12, 16, 20, 24)
 TINY_DRAFTER = DrafterConfig(layers=1, heads=2, head_dim=16, block=4, anchors=4)
 KINDS = ("eager stages", "graph stages")
 RUN_STEPS = 50  # optimizer steps of a run on a GPU, the first ones included
+WARM_START_STEPS = 2  # eager steps before anything is timed: 16 microbatches, most lengths
 
 
 @dataclass
@@ -140,7 +143,7 @@ def timed(plan: Plan, loop: PipelineLoop, batches: list[dict]) -> tuple[float, f
         for _ in range(plan.steps):
             next(steps)
         _synchronize(plan)
-        return warm, (time.perf_counter() - start) / plan.steps
+        return warm, (time.perf_counter() - start) / max(plan.steps, 1)
     finally:
         steps.close()
 
@@ -188,6 +191,15 @@ def measure(ctx: Context, plan: Plan) -> list[Row]:
     batches = microbatches(plan, (plan.warmup + plan.steps) * plan.job.accumulate)
     samples = plan.job.accumulate * plan.job.batch
     results: dict[str, dict[str, Any]] = {}
+    # Both kinds start warm: the process's first steps (kernels autotuned and cuBLAS plans
+    # made per length, the allocator grown) would otherwise count against the first kind.
+    ctx.progress(f"{SECTION}: {plan.name}, warming the process up (untimed)")
+    warm_up = dataclasses.replace(plan, steps=0, warmup=WARM_START_STEPS)
+    loop = PipelineLoop(models, plan.placement, plan.job, depth=2)
+    try:
+        timed(warm_up, loop, batches)
+    finally:
+        loop.close()
     # Eager first: DrafterGraphs makes the shared optimizer capturable and installs its
     # static gradients, which the eager stage would then inherit.
     for kind in KINDS:

@@ -60,7 +60,7 @@ def measure_large(ctx: Context, options: Options) -> list[Row]:
     lanes_of = (1, 2)
     dispatcher = Dispatcher([device] * max(lanes_of))
     lanes = dispatcher.lanes
-    graphs = TargetGraphs(forward)
+    graphs = TargetGraphs(forward, policy="graphs")  # captures at this size, GPU-bound or not
 
     def eager_loop() -> None:
         with torch.no_grad():

@@ -243,6 +243,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(lane_cache, "_new_pool", lambda: "pool")
     monkeypatch.setattr(lane_cache, "pool_bytes", lambda pool, device: 1000 * len(made))
     monkeypatch.setattr(dg, "_captures", lambda lane: True)
+    monkeypatch.setattr(lane_cache, "PROBE_AT", 0)  # no CUDA events to time eager calls
     capturable_on_cpu(monkeypatch)
     return made
 

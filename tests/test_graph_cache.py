@@ -194,6 +194,8 @@ def cuda(monkeypatch):
     monkeypatch.setattr(_cuda_capture, "launch_marker", fake.launch)
     monkeypatch.setattr(_cuda_capture, "empty_cache", fake.allocator.empty_cache)
     monkeypatch.setattr(graphs, "perf_counter", fake.tick)
+    # The capture's mechanics first: no eager call timed before (the tests of that set it).
+    monkeypatch.setattr(lane_cache, "PROBE_AT", 0)
     pools = iter(range(1, 1000))
     monkeypatch.setattr(lane_cache, "_new_pool", lambda: (0, next(pools)))
     monkeypatch.setattr(lane_cache, "pool_bytes", fake.allocator.pool_bytes)
@@ -458,6 +460,65 @@ def test_a_call_its_host_launches_faster_than_the_gpu_runs_it_is_never_captured(
     assert "launching it eagerly took the host 5 ms, running it the GPU 10 ms" in first["reason"]
 
 
+def _calls(lane, key, cuda, n, counted):
+    """`n` calls of `key` as a stage makes them: its graph, or its eager call."""
+    entries = []
+    for _ in range(n):
+        entry = lane.get_or_capture(key, lambda: (forward(cuda), None), label=key)
+        if entry is None:
+            lane.run_eagerly(key, lambda: counted.append(key))
+        entries.append(entry)
+    return entries
+
+
+def test_a_key_whose_eager_call_is_gpu_bound_is_never_warmed_up_nor_captured(cuda, monkeypatch):
+    """Note [A policy for the whole step]: each key's second eager call, unpadded, ran 10 ms
+    on the GPU and took the host 5 ms to launch: the GPU limits it. No warm-up, no capture,
+    no warning; once PREDICT_AFTER keys were judged so, a new key is not even timed."""
+    monkeypatch.setattr(lane_cache, "PROBE_AT", 2)
+    timed = []
+
+    def events():
+        timed.append(1)
+        return FakeEvent(0.0), FakeEvent(10.0)
+
+    monkeypatch.setattr(_cuda_capture, "timing_events", events)
+    cuda.host_ms = 5.0
+    cache = GraphCache("stage", warmup=1)
+    lane = cache.lane(LANE)
+    counted = []
+    for key in range(policy.PREDICT_AFTER):
+        assert _calls(lane, key, cuda, 3, counted) == [None] * 3
+    assert _calls(lane, "new", cuda, 3, counted) == [None] * 3
+    assert len(counted) == 3 * (policy.PREDICT_AFTER + 1)  # every call ran, eagerly
+    assert len(timed) == policy.PREDICT_AFTER  # one call per key judged, none of "new"
+    stats = cache.stats()
+    s = stats["lanes"][LANE.label]
+    assert (s["capture_attempts"], s["captures"], s["pool_bytes"]) == (0, 0, 0)
+    assert s["policy_choices"] == {"gpu-bound": 2, "predicted GPU-bound": 1}
+    assert stats["fallbacks"] == {} and s["eager_runs"] == 9
+    first = stats["eager_buckets"][0]
+    assert (first["bucket"], first["eager_ms"], first["host_ms"], first["graph_ms"]) == (
+        0,
+        10.0,
+        5.0,
+        None,
+    )
+
+
+def test_a_key_whose_eager_call_is_launch_bound_is_captured_after_it(cuda, monkeypatch):
+    monkeypatch.setattr(lane_cache, "PROBE_AT", 2)
+    _timed(monkeypatch, eager_ms=10.0, graph_ms=1.0)  # the host launches for 1000 s
+    cache = GraphCache("stage", warmup=1)
+    lane = cache.lane(LANE)
+    counted = []
+    got = _calls(lane, "k", cuda, 4, counted)
+    assert [g is not None for g in got] == [False, False, True, True]
+    assert counted == ["k", "k"]
+    s = cache.stats()["lanes"][LANE.label]
+    assert (s["capture_attempts"], s["eager_runs"], s["policy_choices"]) == (1, 2, {})
+
+
 @pytest.mark.parametrize(("host_ms", "kept"), [(1e6, True), (9.5, False)])
 def test_a_graph_must_beat_the_eager_calls_launch_as_well_as_its_gpu_time(
     cuda, monkeypatch, host_ms, kept
@@ -655,6 +716,7 @@ def test_a_key_is_captured_only_once_seen_capture_after_times(cuda):
 
 def test_keys_are_predicted_gpu_bound_once_every_measured_graph_was(cuda, monkeypatch):
     _timed(monkeypatch, eager_ms=10.0, graph_ms=9.8)
+    monkeypatch.setattr(lane_cache, "perf_counter", lambda: 0.0)  # captures repay at once
     cache = GraphCache("stage", warmup=1)
     lane = cache.lane(LANE)
     for key in range(policy.PREDICT_AFTER):
@@ -754,5 +816,5 @@ def test_a_key_is_captured_once_its_uses_would_repay_a_capture(cuda, monkeypatch
     stats = cache.stats()
     assert stats["fallbacks"] == {} and stats["lanes"][LANE.label]["eager_runs"] == 8
     assert "repays a 0.05 s capture only after 9 uses" in repr(
-        lane._not_worth_it("c", 1, "graphs", False)
+        lane._not_worth_it("c", 1, "graphs", False, "c", True)
     )

@@ -131,7 +131,7 @@ def test_graph_target_matches_eager_on_gpu_dense_and_moe(moe):
         {"input_ids": torch.randint(0, config.vocab, (2, t), device="cuda:0")} for t in (1000, 1024)
     ]  # both in bucket 1024
     dispatcher = Dispatcher(["cuda:0"])
-    graphs = TargetGraphs(forward)
+    graphs = TargetGraphs(forward, policy="graphs")  # a capture at the first batch
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", GraphFallbackWarning)

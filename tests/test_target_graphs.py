@@ -392,7 +392,7 @@ def test_gpu_hf_model_buckets_equal_eager(gpu_lanes):
         out = model(input_ids=batch["input_ids"], output_hidden_states=True, use_cache=False)
         return torch.cat([out.hidden_states[1], out.hidden_states[2]], dim=-1)
 
-    target = TargetGraphs(forward, lengths=(128, 256))
+    target = TargetGraphs(forward, lengths=(128, 256), policy="graphs")
     for t in (100, 256, 130):
         batch = ids_batch(2, t, vocab=128, device="cuda", seed=t)
         out = target.submit(gpu_lanes[0], batch).wait_stream()
@@ -433,7 +433,7 @@ def _plain(batch):
     ],
 )
 def test_gpu_every_fallback_runs_eagerly_with_the_right_result(gpu_lanes, fn, reason):
-    target = TargetGraphs(fn, lengths=(32,))
+    target = TargetGraphs(fn, lengths=(32,), policy="graphs")  # a capture at the first call
     t = 40 if fn is _plain else 20
     batch = ids_batch(2, t, device="cuda")
     with pytest.warns(GraphFallbackWarning, match=reason):
@@ -465,10 +465,12 @@ def test_gpu_least_recently_used_graphs_are_evicted(gpu_lanes):
 @gpu
 def test_gpu_memory_cap_refuses_or_falls_back(gpu_lanes):
     batch = ids_batch(2, 16, device="cuda")
-    capped = TargetGraphs(CausalToy().cuda(), lengths=(16,), max_pool_bytes=1, on_full="raise")
+    capped = TargetGraphs(
+        CausalToy().cuda(), lengths=(16,), max_pool_bytes=1, on_full="raise", policy="graphs"
+    )
     with pytest.raises(GraphMemoryError, match="max_pool_bytes=1"):
         capped.submit(gpu_lanes[0], batch).result()
-    fallback = TargetGraphs(CausalToy().cuda(), lengths=(16,), max_pool_bytes=1)
+    fallback = TargetGraphs(CausalToy().cuda(), lengths=(16,), max_pool_bytes=1, policy="graphs")
     with pytest.warns(GraphFallbackWarning, match="max_pool_bytes=1"):
         out = fallback.submit(gpu_lanes[0], batch).wait_stream()
     with torch.no_grad():
@@ -615,4 +617,5 @@ def test_gpu_auto_policy_runs_a_gpu_bound_bucket_eagerly_and_keeps_a_launch_boun
     assert heavy_lane["capture_attempts"] == 0 and heavy_lane["pool_bytes"] == 0
     assert heavy.stats()["padding_waste"] < 48 / 2048  # the eager runs are unpadded
     assert light.stats()["eager_buckets"] == []
-    assert light.stats()["lanes"][lane.label]["replays"] == 5
+    light_lane = light.stats()["lanes"][lane.label]  # 2 eager calls, the second timed
+    assert (light_lane["eager_runs"], light_lane["replays"]) == (2, 3), light_lane

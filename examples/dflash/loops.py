@@ -312,7 +312,8 @@ class PipelineLoop:
     `graphs`, each target model's forward is one TargetGraphs for the lanes that share
     the model (one device): it replays CUDA graphs per shape bucket on GPU lanes. With
     `drafter_graphs`, the drafter trains through a DrafterGraphs stage: its microbatches
-    and optimizer step replay CUDA graphs on GPU lanes (padded to buckets, on CPU too)."""
+    and optimizer step replay CUDA graphs on GPU lanes (padded to buckets, on CPU too).
+    `policy` is both graph stages' (`pydflash.Policy`: "auto", where graphs pay)."""
 
     def __init__(
         self,
@@ -325,17 +326,20 @@ class PipelineLoop:
         graphs: bool = False,
         drafter_graphs: bool = False,
         spin_us: float | None = None,
+        policy: str = "auto",
     ) -> None:
         spin = {} if spin_us is None else {"spin_us": spin_us}  # None: the Dispatcher's default
         self.dispatcher = Dispatcher(placement.lanes, trace=trace, **spin)
         lanes = self.dispatcher.lanes
         n_targets = len(placement.targets)
         self.target_lanes = lanes[:n_targets]
-        stage = TargetGraphs if graphs else EagerTarget
         by_model: dict[int, TargetStage] = {}
         for t in models.targets:
             if id(t) not in by_model:
-                by_model[id(t)] = stage(target_forward(t))
+                forward = target_forward(t)
+                by_model[id(t)] = (
+                    TargetGraphs(forward, policy=policy) if graphs else EagerTarget(forward)
+                )
         self.targets = [by_model[id(t)] for t in models.targets]
         training: dict[str, Any] = dict(
             drafter=models.drafters,
@@ -345,7 +349,9 @@ class PipelineLoop:
         )
         self.drafter = None
         if drafter_graphs:
-            self.drafter = DrafterGraphs(lanes[n_targets:], **training, accumulate=job.accumulate)
+            self.drafter = DrafterGraphs(
+                lanes[n_targets:], **training, accumulate=job.accumulate, policy=policy
+            )
             training = dict(drafter=self.drafter)
         self.pipe = Pipeline(
             self.target_lanes,

@@ -14,6 +14,7 @@ from ..errors import GraphMemoryError
 from . import _cuda_capture, lane_graph
 from .policy import (
     CHOSEN,
+    PROBE_AT,
     TIMED_REPLAYS,
     Policy,
     choices,
@@ -58,6 +59,17 @@ class GraphEntry:
     _events: list[tuple[Any, Any]] = field(default_factory=list)
 
 
+@dataclass
+class _Probe:
+    """A key's eager call timed for the policy, read once the GPU passed `end`."""
+
+    key: Hashable
+    pool: str
+    label: Any
+    read: Callable[[], tuple[float, float]]  # (GPU ms, host ms)
+    end: Any
+
+
 class LaneGraphCache:
     """One lane's graphs (see the module's contract); made by `GraphCache.lane`."""
 
@@ -70,6 +82,12 @@ class LaneGraphCache:
         self.eager: dict[Hashable, tuple[str, str]] = {}  # key -> (kind, detail)
         self.tries: dict[Hashable, int] = {}  # key -> failed attempts of a RETRIED kind
         self.seen: dict[Hashable, int] = {}  # key -> calls of get_or_capture
+        # Policy.AUTO's eager timing of new keys (Note [A policy for the whole step]): key ->
+        # (pool, label) while its eager call is to be timed, the timed calls not read yet,
+        # and the keys whose timed call was launch-bound (worth a capture).
+        self.to_time: dict[Hashable, tuple[str, Any]] = {}
+        self.probes: list[_Probe] = []
+        self.launch_bound: set[Hashable] = set()
         self.retiring: list[Pool] = []  # pools whose graphs are all gone
         # pool name -> [graphs whose timed replays were read, of which GPU-bound]
         self.measured: dict[str, list[int]] = {}
@@ -110,6 +128,8 @@ class LaneGraphCache:
         names the lane's pool it goes into; `ahead`: a capture asked for in advance
         (a stage's warmup()), which the policy's rarity rule lets through."""
         owner = self.owner
+        if self.probes:
+            self._read_probes()
         with owner._lock:
             entry = self.graphs.get(key)
             if entry is not None:
@@ -125,10 +145,23 @@ class LaneGraphCache:
         if why is not None or owner.policy is Policy.EAGER:
             return self._eager_run(key)
         if owner.policy is Policy.AUTO:
-            skip = self._not_worth_it(key, seen, pool, ahead)
+            skip = self._not_worth_it(key, seen, pool, ahead, label, timed is not False)
             if skip is not None:
                 return self._eager_run(key, skip)
         return self._capture(key, make, key if label is None else label, warmup, timed, pool)
+
+    def run_eagerly(self, key: Hashable, call: Callable[[], Any]) -> Any:
+        """call(): `key`'s eager, unpadded call, where get_or_capture gave None. Under
+        Policy.AUTO, a key still to be judged has its PROBE_AT-th call timed (Note [A policy
+        for the whole step])."""
+        with self.owner._lock:
+            where = self.to_time.get(key)
+            due = where is not None and self.seen.get(key, 0) >= PROBE_AT
+        if not due or any(p.key == key for p in self.probes):
+            return call()
+        out, read, end = lane_graph.timed_call(call)
+        self.probes.append(_Probe(key, *where, read, end))
+        return out
 
     def replay(self, entry: GraphEntry) -> None:
         """entry.graph.replay() on the current stream, counted (and timed, see contract)."""
@@ -210,10 +243,10 @@ class LaneGraphCache:
         return None
 
     def _not_worth_it(
-        self, key: Hashable, seen: int, pool: str, ahead: bool
+        self, key: Hashable, seen: int, pool: str, ahead: bool, label: Any, timed: bool
     ) -> tuple[str, str] | None:
         """Why policy AUTO runs `key` eagerly for now (Note [A policy for the whole
-        step]), or None: capture it."""
+        step]), or None: capture it. `timed`: its calls may be timed."""
         owner = self.owner
         with owner._lock:
             why = not_worth_capturing(
@@ -226,6 +259,9 @@ class LaneGraphCache:
                 self.eager[key] = why  # for good: neither comes back
                 return why
             savings, costs = self.savings.get(pool, []), self.costs.get(pool, [])
+            if PROBE_AT and not ahead and timed and key not in self.launch_bound:
+                self.to_time[key] = (pool, label)
+                return ("timed first", f"its eager call {PROBE_AT} is timed before a capture")
         if ahead:
             return None
         if seen < owner.capture_after:
@@ -283,7 +319,7 @@ class LaneGraphCache:
             )
         except lane_graph.NotWorthCapturing as no:
             self._spent(began)
-            self._judged(key, label, pool, no.reason, no.eager_ms, no.host_ms, graph_ms=None)
+            self._judged(key, label, pool.name, no.reason, no.eager_ms, no.host_ms, graph_ms=None)
             return self._eager_run(key)
         except Exception as exc:  # noqa: BLE001 - never crash the step: run eagerly
             self._spent(began)
@@ -368,16 +404,30 @@ class LaneGraphCache:
             with self.owner._lock:
                 if self.graphs.pop(key, None) is not None:
                     self.dropped += 1
+                self._retire_empty_locked(entry.pool)
         self._judged(
-            key, entry.label, entry.pool, reason or "", entry.eager_ms, entry.host_ms, graph_ms
+            key, entry.label, entry.pool.name, reason or "", entry.eager_ms, entry.host_ms, graph_ms
         )
         return reason is None
+
+    def _read_probes(self) -> None:
+        """Judges the timed eager calls the GPU has passed, in the stream's order."""
+        while self.probes and self.probes[0].end.query():
+            probe = self.probes.pop(0)
+            eager_ms, host_ms = probe.read()
+            reason = gpu_bound_eagerly(eager_ms, host_ms, self.owner.gpu_bound_ratio)
+            with self.owner._lock:
+                self.to_time.pop(probe.key, None)
+                if reason is None:
+                    self.launch_bound.add(probe.key)
+            if reason is not None:
+                self._judged(probe.key, probe.label, probe.pool, reason, eager_ms, host_ms, None)
 
     def _judged(
         self,
         key: Hashable,
         label: Any,
-        pool: Pool,
+        pool: str,
         reason: str,
         eager_ms: float,
         host_ms: float | None,
@@ -385,19 +435,18 @@ class LaneGraphCache:
     ) -> None:
         """Records the policy's judgement of `key` in `pool` (Note [A policy for the whole
         step]): GPU-bound with `reason` (runs eagerly from now on, listed in
-        eager_buckets), or kept where `reason` is empty; `graph_ms` None: judged by its
-        warm-up alone, never captured."""
+        eager_buckets), or kept where `reason` is empty; `graph_ms` None: judged by an
+        eager call, never captured."""
         cost = eager_ms if host_ms is None else min(eager_ms, host_ms)
         saved = 0.0 if graph_ms is None else max(0.0, cost - graph_ms)
         with self.owner._lock:
-            counts = self.measured.setdefault(pool.name, [0, 0])
+            counts = self.measured.setdefault(pool, [0, 0])
             counts[0] += 1
             counts[1] += bool(reason)
-            self.savings.setdefault(pool.name, []).append(saved)
+            self.savings.setdefault(pool, []).append(saved)
             if not reason:
                 return
             self.eager[key] = ("gpu-bound", reason)
-            self._retire_empty_locked(pool)
             self.owner._eager_buckets.append(
                 {
                     "lane": self.label,

@@ -390,14 +390,11 @@ def capture_graph(
 def _warm_up(
     fn: Callable[[], Any], lane: Lane, warmup: int, timed: bool, turn: str | None
 ) -> Callable[[], tuple[float, float]] | None:
-    """Runs the warm-up; returns how to read the last call's (GPU ms, host ms), once the
-    stream has passed it, or None. The host's time is the wall time of launching it, GIL
-    waits included: what a graph's replay saves the host (Note [A policy for the whole
-    step] in pydflash/graphs/policy.py)."""
+    """Runs the warm-up; returns how to read the last call's (GPU ms, host ms) once the
+    stream has passed it (`timed_call`), or None."""
     if warmup == 0:
         return None
-    timer: list[Any] = []
-    host: list[float] = []
+    timing: list[Callable[[], tuple[float, float]]] = []
 
     def warm() -> None:
         for call in range(warmup):
@@ -405,12 +402,7 @@ def _warm_up(
                 # From an idle stream: queued behind other work, an eager call would show
                 # none of the launch gaps a graph saves.
                 _cuda.stream_idle()
-                timer.extend(_cuda.timing_events())
-                timer[0].record()
-                began = perf_counter()
-                fn()
-                host.append(1000 * (perf_counter() - began))
-                timer[1].record()
+                timing.append(timed_call(fn)[1])
             else:
                 fn()
 
@@ -418,10 +410,21 @@ def _warm_up(
         warm()
     else:
         compile_queue.run(f"{turn} on {lane.label}", warm, slot=turn)
-    if not timer:
-        return None
-    start, end = timer
-    return lambda: (float(start.elapsed_time(end)), host[0])
+    return timing[0] if timing else None
+
+
+def timed_call(fn: Callable[[], Any]) -> tuple[Any, Callable[[], tuple[float, float]], Any]:
+    """fn() on the current stream, timed: (its result, how to read (GPU ms, host ms) once
+    the stream has passed the call, the CUDA event that marks its end). The host's time is
+    the wall time of launching it, GIL waits included: what a graph's replay saves the host
+    (Note [A policy for the whole step] in pydflash/graphs/policy.py)."""
+    start, end = _cuda.timing_events()
+    start.record()
+    began = perf_counter()
+    out = fn()
+    host_ms = 1000 * (perf_counter() - began)
+    end.record()
+    return out, lambda: (float(start.elapsed_time(end)), host_ms), end
 
 
 def _leave_no_trace(graph: Any | None, device: int, pool: Any) -> None:

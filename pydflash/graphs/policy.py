@@ -28,7 +28,8 @@ class Policy(StrEnum):
 POLICIES = tuple(p.value for p in Policy)
 DEFAULT_GPU_BOUND_RATIO = 0.9
 TIMED_REPLAYS = 2
-PREDICT_AFTER = 2  # graphs measured in a pool before the policy predicts for the rest
+PREDICT_AFTER = 2  # keys measured in a pool before the policy predicts for the rest
+PROBE_AT = 2  # the eager call of a key that is timed: its second (the first compiles); 0: none
 
 # Note [A policy for the whole step]: a graph saves the host the time to launch a call
 # and costs its capture (warm-up calls, then the capture, with the device's other lanes
@@ -41,16 +42,19 @@ PREDICT_AFTER = 2  # graphs measured in a pool before the policy predicts for th
 #   back, and its eager run is unpadded;
 # - a lane spends at most `capture_budget` seconds capturing (None: no limit); past it,
 #   new keys run eagerly;
-# - the last warm-up call is timed from an idle stream, on the GPU and on the host;
-#   where launching it took the host less than `gpu_bound_ratio` of the GPU's time, the
-#   GPU limits the call: nothing is captured (`gpu_bound_eagerly`), and the key runs eagerly and
-#   unpadded;
+# - a key's eager calls come first: its PROBE_AT-th, unpadded, is timed where it runs, on
+#   the GPU (CUDA events, read once passed: no host sync) and on the host; where the host
+#   launched it in less than `gpu_bound_ratio` of its GPU time, the GPU limits the call
+#   (`gpu_bound_eagerly`): it is never warmed up nor captured, and runs eagerly and
+#   unpadded, at no cost beyond two events;
+# - a key found launch-bound so is captured, and the last warm-up call is timed again,
+#   from an idle stream, and judged the same way before the capture;
 # - otherwise the graph's first replays are timed; one no faster than `gpu_bound_ratio`
 #   of what the eager call costs a pipeline, the lesser of its GPU time and its launch
 #   time, is dropped, runs eagerly and unpadded, and its pool is given back once empty
 #   (Note [Giving a pool back]);
 # - once PREDICT_AFTER keys of a pool were measured and every one was GPU-bound, the
-#   keys not captured yet are predicted GPU-bound too and never warmed up: a forward
+#   keys not judged yet are predicted GPU-bound too and never timed: a forward
 #   that fills the GPU at one length fills it at the others;
 # - once graphs of a pool were measured, a new key is captured only when it would repay
 #   its capture (`repaid`): the GPU time a replay saved in that pool (the median over
@@ -66,7 +70,7 @@ PREDICT_AFTER = 2  # graphs measured in a pool before the policy predicts for th
 
 
 # Kinds of eager record that are the policy's choice, not a fallback: no warning.
-CHOSEN = ("gpu-bound", "policy", "rare", "capture budget", "predicted GPU-bound")
+CHOSEN = ("gpu-bound", "policy", "rare", "capture budget", "predicted GPU-bound", "timed first")
 
 
 def choices(eager: dict[Hashable, tuple[str, str]]) -> dict[str, int]:

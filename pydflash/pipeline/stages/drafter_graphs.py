@@ -69,6 +69,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -276,7 +277,7 @@ class DrafterGraphs(DrafterStage):
             for flat, before in zip(rep.flats, saved, strict=False):
                 flat.copy_(before)
         if entry is None:
-            return self._eager(rep, inputs, b, t)
+            return cache.run_eagerly(key, partial(self._eager, rep, inputs, b, t))
         static: _Static = entry.data
         if static.fresh:
             static.fresh = False

@@ -52,6 +52,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -313,7 +314,7 @@ class TargetGraphs(TargetStage):
                 key, lambda: self._prepare(leaves, spec, pads, bucket), label=bucket, ahead=ahead
             )
             if entry is None:
-                return self._eager(batch, b, t)
+                return cache.run_eagerly(key, partial(self._eager, batch, b, t))
             static: _Static = entry.data
             if static.out_cuts is None:  # captured just now: the inputs are this batch's
                 out_leaves, static.out_spec = flatten(entry.outputs)
