@@ -610,12 +610,14 @@ def test_gpu_a_dropped_only_bucket_gives_its_pool_bytes_back(gpu_lanes):
 
     stage, _ = make_gpu(DrafterGraphs, gpu_lanes, loss=heavy, lengths=(16,), gpu_bound_ratio=0.01)
     g = torch.Generator().manual_seed(8)
-    data = [  # one bucket, 2 x 16, seen often enough to be captured, timed and dropped
+    # One bucket, 2 x 16, seen often enough to be timed eagerly, captured, timed and
+    # dropped; each timing is read once the GPU has passed it, a call or two later.
+    data = [
         {
             "h": torch.randn(2, 16, WIDTH, generator=g),
             "y": torch.randint(0, VOCAB, (2, 16), generator=g),
         }
-        for _ in range(8)
+        for _ in range(16)
     ]
     data = on_gpu(data)
     train_steps(stage, data)
