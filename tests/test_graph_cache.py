@@ -193,7 +193,7 @@ def cuda(monkeypatch):
     monkeypatch.setattr(_cuda_capture, "end_generator_capture", fake.end_generator_capture)
     monkeypatch.setattr(_cuda_capture, "launch_marker", fake.launch)
     monkeypatch.setattr(_cuda_capture, "empty_cache", fake.allocator.empty_cache)
-    monkeypatch.setattr(graphs, "perf_counter", fake.tick)
+    monkeypatch.setattr(policy, "perf_counter", fake.tick)
     # The capture's mechanics first: no eager call timed before (the tests of that set it).
     monkeypatch.setattr(lane_cache, "PROBE_AT", 0)
     pools = iter(range(1, 1000))

@@ -18,8 +18,9 @@ In order:
    Note [Capture failures]: a failure is never tried again for the same reason; only
    "device busy" and "memory cap", whose causes can pass, are retried, boundedly.
 3. Under Policy.AUTO, a key not worth a capture yet: None (Note [A policy for the whole
-   step]: seen fewer than `capture_after` times, past `capture_budget`, or predicted
-   GPU-bound).
+   step]: its eager call not timed yet, or found GPU-bound, seen fewer than
+   `capture_after` times, past `capture_budget`, or predicted GPU-bound). The stage then
+   runs it through `lc.run_eagerly(key, call)`, which times the call the policy needs.
 4. Otherwise `make()` returns `(fn, data)`: fn() is what the graph records (it closes
    over its static input buffers), data is kept as `entry.data`. fn runs `warmup` times
    eagerly first (an optimizer step warms up on its own and passes warmup=0), then
@@ -32,7 +33,7 @@ In order:
 5. `lc.replay(entry)` replays on the current stream and counts it. With Policy.AUTO and
    a timed warm-up, its first TIMED_REPLAYS replays are timed with CUDA events, read by
    a later `get_or_capture` once the GPU passed them (no host sync): a graph taking at
-   least `gpu_bound_ratio` of the eager call's time is dropped, and
+   least `gpu_bound_ratio` of the eager call's cost is dropped, and
    `stats()["eager_buckets"]` lists it. Pass timed=False where a replay must not repeat
    work (an optimizer step).
 6. A pool whose graphs are all gone (the policy, the memory cap, evictions, `refuse`)

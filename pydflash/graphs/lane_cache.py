@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -16,12 +16,16 @@ from .policy import (
     CHOSEN,
     PROBE_AT,
     TIMED_REPLAYS,
+    NotWorthCapturing,
     Policy,
+    TimedCall,
     choices,
+    eager_cost,
     gpu_bound,
     gpu_bound_eagerly,
     not_worth_capturing,
     repaid,
+    timed_call,
 )
 from .pools import DEFAULT_POOL, Pool, give_back, pool_bytes
 from .pools import new_pool as _new_pool
@@ -59,17 +63,6 @@ class GraphEntry:
     _events: list[tuple[Any, Any]] = field(default_factory=list)
 
 
-@dataclass
-class _Probe:
-    """A key's eager call timed for the policy, read once the GPU passed `end`."""
-
-    key: Hashable
-    pool: str
-    label: Any
-    read: Callable[[], tuple[float, float]]  # (GPU ms, host ms)
-    end: Any
-
-
 class LaneGraphCache:
     """One lane's graphs (see the module's contract); made by `GraphCache.lane`."""
 
@@ -86,12 +79,12 @@ class LaneGraphCache:
         # (pool, label) while its eager call is to be timed, the timed calls not read yet,
         # and the keys whose timed call was launch-bound (worth a capture).
         self.to_time: dict[Hashable, tuple[str, Any]] = {}
-        self.probes: list[_Probe] = []
+        self.probes: list[TimedCall] = []
         self.launch_bound: set[Hashable] = set()
         self.retiring: list[Pool] = []  # pools whose graphs are all gone
-        # pool name -> [graphs whose timed replays were read, of which GPU-bound]
+        # pool name -> [keys judged (by an eager call or a graph), of which GPU-bound]
         self.measured: dict[str, list[int]] = {}
-        self.savings: dict[str, list[float]] = {}  # pool name -> ms a replay saved, per graph
+        self.savings: dict[str, list[float]] = {}  # pool name -> ms a replay saved, per key
         self.costs: dict[str, list[float]] = {}  # pool name -> seconds each capture took
         self.captures = 0
         self.capture_attempts = 0
@@ -159,8 +152,8 @@ class LaneGraphCache:
             due = where is not None and self.seen.get(key, 0) >= PROBE_AT
         if not due or any(p.key == key for p in self.probes):
             return call()
-        out, read, end = lane_graph.timed_call(call)
-        self.probes.append(_Probe(key, *where, read, end))
+        out, timed = timed_call(call)
+        self.probes.append(replace(timed, key=key, pool=where[0], label=where[1]))
         return out
 
     def replay(self, entry: GraphEntry) -> None:
@@ -317,7 +310,7 @@ class LaneGraphCache:
                 if owner.policy is Policy.AUTO
                 else None,
             )
-        except lane_graph.NotWorthCapturing as no:
+        except NotWorthCapturing as no:
             self._spent(began)
             self._judged(key, label, pool.name, no.reason, no.eager_ms, no.host_ms, graph_ms=None)
             return self._eager_run(key)
@@ -412,7 +405,7 @@ class LaneGraphCache:
 
     def _read_probes(self) -> None:
         """Judges the timed eager calls the GPU has passed, in the stream's order."""
-        while self.probes and self.probes[0].end.query():
+        while self.probes and self.probes[0].passed():
             probe = self.probes.pop(0)
             eager_ms, host_ms = probe.read()
             reason = gpu_bound_eagerly(eager_ms, host_ms, self.owner.gpu_bound_ratio)
@@ -437,8 +430,7 @@ class LaneGraphCache:
         step]): GPU-bound with `reason` (runs eagerly from now on, listed in
         eager_buckets), or kept where `reason` is empty; `graph_ms` None: judged by an
         eager call, never captured."""
-        cost = eager_ms if host_ms is None else min(eager_ms, host_ms)
-        saved = 0.0 if graph_ms is None else max(0.0, cost - graph_ms)
+        saved = 0.0 if graph_ms is None else max(0.0, eager_cost(eager_ms, host_ms) - graph_ms)
         with self.owner._lock:
             counts = self.measured.setdefault(pool, [0, 0])
             counts[0] += 1
@@ -447,16 +439,9 @@ class LaneGraphCache:
             if not reason:
                 return
             self.eager[key] = ("gpu-bound", reason)
-            self.owner._eager_buckets.append(
-                {
-                    "lane": self.label,
-                    "bucket": label,
-                    "reason": reason,
-                    "eager_ms": eager_ms,
-                    "host_ms": host_ms,
-                    "graph_ms": graph_ms,
-                }
-            )
+            timings = {"eager_ms": eager_ms, "host_ms": host_ms, "graph_ms": graph_ms}
+            record = {"lane": self.label, "bucket": label, "reason": reason, **timings}
+            self.owner._eager_buckets.append(record)
 
     def _retire_empty_locked(self, pool: Pool) -> None:
         """`pool` goes to `retiring` when no graph of it is left. Under the lock."""

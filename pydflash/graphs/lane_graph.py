@@ -66,7 +66,6 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from .. import compile_queue
@@ -80,6 +79,7 @@ from ..lanes.graph_exec import (
     unwrap,
 )
 from . import _cuda_capture as _cuda
+from .policy import NotWorthCapturing, timed_call
 from .pools import OPEN_CAPTURES
 
 if TYPE_CHECKING:
@@ -314,17 +314,6 @@ class CaptureFailed(GraphCaptureError):
         return (type(self), (self.kind, self.detail))
 
 
-class NotWorthCapturing(Exception):
-    """What `capture_graph` raises when its `judge` found the timed warm-up call not worth
-    a graph: `reason` says why; nothing was captured. A choice, not a failure."""
-
-    def __init__(self, reason: str, eager_ms: float, host_ms: float) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.eager_ms = eager_ms
-        self.host_ms = host_ms
-
-
 @dataclass
 class Captured:
     """What `capture_graph` made: the torch graph, what fn returned while it was captured
@@ -391,7 +380,7 @@ def _warm_up(
     fn: Callable[[], Any], lane: Lane, warmup: int, timed: bool, turn: str | None
 ) -> Callable[[], tuple[float, float]] | None:
     """Runs the warm-up; returns how to read the last call's (GPU ms, host ms) once the
-    stream has passed it (`timed_call`), or None."""
+    stream has passed it (policy.timed_call), or None."""
     if warmup == 0:
         return None
     timing: list[Callable[[], tuple[float, float]]] = []
@@ -402,7 +391,7 @@ def _warm_up(
                 # From an idle stream: queued behind other work, an eager call would show
                 # none of the launch gaps a graph saves.
                 _cuda.stream_idle()
-                timing.append(timed_call(fn)[1])
+                timing.append(timed_call(fn)[1].read)
             else:
                 fn()
 
@@ -411,20 +400,6 @@ def _warm_up(
     else:
         compile_queue.run(f"{turn} on {lane.label}", warm, slot=turn)
     return timing[0] if timing else None
-
-
-def timed_call(fn: Callable[[], Any]) -> tuple[Any, Callable[[], tuple[float, float]], Any]:
-    """fn() on the current stream, timed: (its result, how to read (GPU ms, host ms) once
-    the stream has passed the call, the CUDA event that marks its end). The host's time is
-    the wall time of launching it, GIL waits included: what a graph's replay saves the host
-    (Note [A policy for the whole step] in pydflash/graphs/policy.py)."""
-    start, end = _cuda.timing_events()
-    start.record()
-    began = perf_counter()
-    out = fn()
-    host_ms = 1000 * (perf_counter() - began)
-    end.record()
-    return out, lambda: (float(start.elapsed_time(end)), host_ms), end
 
 
 def _leave_no_trace(graph: Any | None, device: int, pool: Any) -> None:

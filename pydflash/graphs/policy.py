@@ -4,9 +4,13 @@ graph must pay back (Note [A policy for the whole step])."""
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from enum import StrEnum
+from time import perf_counter
 from typing import Any
+
+from . import _cuda_capture as _cuda
 
 
 class Policy(StrEnum):
@@ -118,11 +122,16 @@ def gpu_bound_eagerly(eager_ms: float, host_ms: float, ratio: float) -> str | No
     )
 
 
+def eager_cost(eager_ms: float, host_ms: float | None) -> float:
+    """What an eager call costs a pipeline: the lesser of its GPU time and, where timed,
+    its launch's host time (Note [A policy for the whole step])."""
+    return eager_ms if host_ms is None else min(eager_ms, host_ms)
+
+
 def gpu_bound(graph_ms: float, eager_ms: float, host_ms: float | None, ratio: float) -> str | None:
-    """After a capture: why a graph no faster than `ratio` of its eager call's cost (the
-    lesser of its GPU time and, where timed, its launch's host time) is dropped, or None."""
-    cost = eager_ms if host_ms is None else min(eager_ms, host_ms)
-    if graph_ms < ratio * cost:
+    """After a capture: why a graph no faster than `ratio` of its eager call's cost
+    (`eager_cost`) is dropped, or None."""
+    if graph_ms < ratio * eager_cost(eager_ms, host_ms):
         return None
     launch = "" if host_ms is None else f", launched in {host_ms:.3g} ms"
     return (
@@ -146,3 +155,43 @@ def repaid(seen: int, savings_ms: list[float], costs_s: list[float]) -> tuple[st
         f"seen {seen} times; at {saved:.3g} ms saved per replay it repays a {cost:.3g} s "
         f"capture only after {math.ceil(1000 * cost / saved) if saved else 'no number of'} uses",
     )
+
+
+# --- timing a call, for Policy.AUTO ---------------------------------------------------------
+@dataclass
+class TimedCall:
+    """A call timed by `timed_call`: `read()` gives its (GPU ms, host ms) once `passed()`;
+    `key`, `pool` and `label` say what it was a call of, where a cache keeps it to read."""
+
+    read: Callable[[], tuple[float, float]]
+    end: Any  # the CUDA event after the call
+    key: Hashable = None
+    pool: str = ""
+    label: Any = None
+
+    def passed(self) -> bool:
+        return bool(self.end.query())
+
+
+def timed_call(fn: Callable[[], Any]) -> tuple[Any, TimedCall]:
+    """fn() on the current stream, timed with two CUDA events and the host's clock: (its
+    result, the TimedCall). The host's time is the wall time of launching it, GIL waits
+    included: what a graph's replay saves the host (Note [A policy for the whole step])."""
+    start, end = _cuda.timing_events()
+    start.record()
+    began = perf_counter()
+    out = fn()
+    host_ms = 1000 * (perf_counter() - began)
+    end.record()
+    return out, TimedCall(lambda: (float(start.elapsed_time(end)), host_ms), end)
+
+
+class NotWorthCapturing(Exception):
+    """What `capture_graph` raises when its `judge` found the timed warm-up call not worth
+    a graph: `reason` says why; nothing was captured. A choice, not a failure."""
+
+    def __init__(self, reason: str, eager_ms: float, host_ms: float) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.eager_ms = eager_ms
+        self.host_ms = host_ms
