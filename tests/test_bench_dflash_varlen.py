@@ -45,7 +45,9 @@ def test_rows_at_tiny_sizes_on_cpu_lanes():
     for kind in ("eager", "graph"):  # the objective trained: the tiny drafter's, block 4
         assert "exp(-(k-1)/2.5) at block 4; no loss mask" in rows[f"{kind} stages, samples/s"].note
     graphs = rows["graph stages, samples/s"]
-    assert graphs.value > 0 and graphs.baseline == rows["eager stages, samples/s"].value
+    eager = [rows[f"eager stages{again}, samples/s"].value for again in ("", " again")]
+    assert graphs.value > 0 and graphs.baseline == pytest.approx(sum(eager) / 2)
+    assert rows["eager stages again, samples/s"].baseline == eager[0]
     assert rows["graph stages, first 1 steps"].baseline > 0
     run = rows["graph stages, samples/s over the run"]
     assert run.value > 0 and run.baseline > 0 and run.target == "ratio >= 1.0"

@@ -254,7 +254,7 @@ class LaneGraphCache:
             savings, costs = self.savings.get(pool, []), self.costs.get(pool, [])
             if PROBE_AT and not ahead and timed and key not in self.launch_bound:
                 self.to_time[key] = (pool, label)
-                return ("timed first", f"its eager call {PROBE_AT} is timed before a capture")
+                return ("timed first", f"its call {PROBE_AT} runs eagerly, timed, before any capture")
         if ahead:
             return None
         if seen < owner.capture_after:
