@@ -254,7 +254,10 @@ class LaneGraphCache:
             savings, costs = self.savings.get(pool, []), self.costs.get(pool, [])
             if PROBE_AT and not ahead and timed and key not in self.launch_bound:
                 self.to_time[key] = (pool, label)
-                return ("timed first", f"its call {PROBE_AT} runs eagerly, timed, before any capture")
+                return (
+                    "timed first",
+                    f"its call {PROBE_AT} runs eagerly, timed, before any capture",
+                )
         if ahead:
             return None
         if seen < owner.capture_after:
