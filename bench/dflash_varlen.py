@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from bench import limits
 from bench.common import Context, Row, compare, not_run
 from bench.harness import objective
 from examples.dflash.data import MarkovTokens
@@ -60,6 +61,7 @@ TINY_DRAFTER = DrafterConfig(layers=1, heads=2, head_dim=16, block=4, anchors=4)
 KINDS = ("eager stages", "eager stages again", "graph stages")
 RUN_STEPS = 50  # optimizer steps of a run on a GPU, the first ones included
 WARM_START_STEPS = 2  # eager steps before anything is timed: 16 microbatches, most lengths
+PROFILED_STEPS = 2  # on a GPU, after the timed steps: the share of the wall time it was busy
 
 
 @dataclass
@@ -132,9 +134,12 @@ def _synchronize(plan: Plan) -> None:
         torch.cuda.synchronize(0)
 
 
-def timed(plan: Plan, loop: PipelineLoop, batches: list[dict]) -> tuple[float, float]:
-    """(seconds of the warm-up steps, seconds per timed step) of `loop` over `batches`."""
-    steps: Iterator[Any] = loop.steps(batches, plan.warmup + plan.steps)
+def timed(plan: Plan, loop: PipelineLoop, batches: list[dict]) -> dict[str, float]:
+    """`loop` over `batches`: the seconds of its warm-up steps ("warm_s"), per timed step
+    ("step_s"), and on a GPU the share of PROFILED_STEPS more steps' wall time in which
+    the GPU ran anything ("gpu_busy")."""
+    profiled = PROFILED_STEPS if plan.on_gpu else 0
+    steps: Iterator[Any] = loop.steps(batches, plan.warmup + plan.steps + profiled)
     try:
         start = time.perf_counter()
         for _ in range(plan.warmup):
@@ -145,9 +150,24 @@ def timed(plan: Plan, loop: PipelineLoop, batches: list[dict]) -> tuple[float, f
         for _ in range(plan.steps):
             next(steps)
         _synchronize(plan)
-        return warm, (time.perf_counter() - start) / plan.steps
+        out = {"warm_s": warm, "step_s": (time.perf_counter() - start) / plan.steps}
+        if profiled:
+            out["gpu_busy"] = gpu_busy_share(steps, profiled)
+        return out
     finally:
         steps.close()
+
+
+def gpu_busy_share(steps: Iterator[Any], count: int) -> float:
+    """The share of `count` steps' wall time in which cuda:0 ran a kernel, copy or memset
+    (the profiler's device activity): 1.0 is a GPU that no stage can make faster."""
+    with limits.profile([torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(count):
+            next(steps)
+        torch.cuda.synchronize(0)
+        wall = time.perf_counter() - start
+    return limits.device_busy_ns(prof).get(0, 0) / 1e9 / wall
 
 
 def stage_summary(stats: dict[str, Any]) -> dict[str, Any]:
@@ -190,7 +210,8 @@ def measure(ctx: Context, plan: Plan) -> list[Row]:
     label = f"{plan.name}, {len(plan.lengths)} lengths {plan.lengths[0]}-{plan.lengths[-1]}"
     ctx.progress(f"{SECTION}: building {plan.name}")
     models = build_models(plan.job, plan.placement)
-    batches = microbatches(plan, (plan.warmup + plan.steps) * plan.job.accumulate)
+    profiled = PROFILED_STEPS if plan.on_gpu else 0
+    batches = microbatches(plan, (plan.warmup + plan.steps + profiled) * plan.job.accumulate)
     samples = plan.job.accumulate * plan.job.batch
     results: dict[str, dict[str, Any]] = {}
     # Both kinds start warm: the process's first steps (kernels autotuned and cuBLAS plans
@@ -212,8 +233,7 @@ def measure(ctx: Context, plan: Plan) -> list[Row]:
             models, plan.placement, plan.job, depth=2, graphs=graphs, drafter_graphs=graphs
         )
         try:
-            warm, step = timed(plan, loop, batches)
-            results[kind] = {"warm_s": warm, "step_s": step}
+            results[kind] = timed(plan, loop, batches)
             if graphs:
                 (target_stats,) = loop.graph_stats()
                 results[kind]["target"] = stage_summary(target_stats)
@@ -249,6 +269,14 @@ def measure(ctx: Context, plan: Plan) -> list[Row]:
         compare(SECTION, f"{label}: graph stages, first {plan.warmup} steps", graph["warm_s"],
                 "s", "eager stages", eager["warm_s"], note="the graph stages capture here"),
     ]  # fmt: skip
+    if "gpu_busy" in graph:
+        rows.append(
+            compare(SECTION, f"{label}: graph stages, GPU busy", graph["gpu_busy"], "share",
+                    "eager stages, mean of 2 runs", eager_mean(
+                        {k: r["gpu_busy"] for k, r in results.items()}),
+                    note=f"the share of {PROFILED_STEPS} profiled steps' wall time in which "
+                    "the GPU ran anything; near 1.0, no stage can make a step faster")
+        )  # fmt: skip
     for stage in ("target", "drafter"):
         s = graph[stage]
         note = (

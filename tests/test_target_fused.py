@@ -154,12 +154,10 @@ def test_fla_conv_only_inside_the_model_that_opted_in(plain_and_fused, stand_in_
 
 
 # --- on a GPU, FLA's kernels ------------------------------------------------------------------
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("fusions", [("norms",), ("swiglu",), ("conv",), ("compile",), "all"])
-def test_fused_target_matches_transformers_on_gpu(fusions):
-    if fusions != ("compile",) and not fused.fla_available():
-        pytest.skip("needs flash-linear-attention")
+@pytest.fixture(scope="module")
+def gpu_reference():
+    """transformers' Qwen3-Next-small in bf16 and the same weights in fp32, on one input:
+    (config, ids, bf16 features, fp32 features), computed once for every fusion."""
     config = HFTargetConfig.load("qwen3-next-small", (1, 4, 6))
     ids = torch.randint(0, config.vocab, (2, 1024), device="cuda:0")
     torch.manual_seed(0)
@@ -167,7 +165,16 @@ def test_fused_target_matches_transformers_on_gpu(fusions):
     with torch.no_grad():
         want = plain(ids).float()
         exact = copy.deepcopy(plain).float()(ids)  # the same weights, computed in fp32
-    del plain
+    return config, ids, want, exact
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fusions", [("norms",), ("swiglu",), ("conv",), ("compile",), "all"])
+def test_fused_target_matches_transformers_on_gpu(fusions, gpu_reference):
+    if fusions != ("compile",) and not fused.fla_available():
+        pytest.skip("needs flash-linear-attention")
+    config, ids, want, exact = gpu_reference
     torch.manual_seed(0)
     model = config.build(torch.bfloat16, "cuda:0", fused=fused.parse_fusions(fusions))
     with torch.no_grad():
