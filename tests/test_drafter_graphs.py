@@ -611,7 +611,8 @@ def test_gpu_a_dropped_only_bucket_gives_its_pool_bytes_back(gpu_lanes):
     stage, _ = make_gpu(DrafterGraphs, gpu_lanes, loss=heavy, lengths=(16,), gpu_bound_ratio=0.01)
     g = torch.Generator().manual_seed(8)
     # One bucket, 2 x 16, seen often enough to be timed eagerly, captured, timed and
-    # dropped; each timing is read once the GPU has passed it, a call or two later.
+    # dropped. A timing is read once the GPU has passed it: each step ends synchronized,
+    # so the next step's first call reads it (a GPU running behind would leave it unread).
     data = [
         {
             "h": torch.randn(2, 16, WIDTH, generator=g),
@@ -620,7 +621,8 @@ def test_gpu_a_dropped_only_bucket_gives_its_pool_bytes_back(gpu_lanes):
         for _ in range(16)
     ]
     data = on_gpu(data)
-    train_steps(stage, data)
+    for step in range(0, len(data), 2):
+        train_steps(stage, data[step : step + 2])
     cache = stage._graphs.lane(gpu_lanes[0])
     stats = stage.stats()
     lane = stats["lanes"][gpu_lanes[0].label]
