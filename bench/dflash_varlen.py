@@ -16,8 +16,9 @@ In one run, on the same models and the same microbatches:
 Two untimed eager steps come first, so that neither kind pays the process's cold start.
 Each: samples/s over the whole run (50 optimizer steps on a GPU, captures included: what a
 user's run sees), over its timed steps (the first 3 left out), the seconds of the first
-steps, and per
-graph stage the seconds spent capturing, its pools' bytes, the pools given back and the
+steps; on a GPU the share of 2 more steps' wall time in which the GPU ran anything (the
+profiler's device activity: near 1.0, no stage can make a step faster); and per graph
+stage the seconds spent capturing, its pools' bytes, the pools given back and the
 policy's choices (which buckets kept a graph, which run eagerly and why), and whether the
 optimizer step replays as a graph. The samples/s rows name the objective trained: DFlash's
 loss with the drafter's gamma, no loss mask (synthetic tokens). With --full also the 23 B
@@ -84,6 +85,11 @@ class Plan:
     warmup: int
     on_gpu: bool
 
+    @property
+    def profiled(self) -> int:
+        """Steps run after the timed ones under the profiler: PROFILED_STEPS on a GPU."""
+        return PROFILED_STEPS if self.on_gpu else 0
+
 
 def plans(ctx: Context, options: Options) -> list[Plan]:
     """What to run: the 8 B target, and with --full the 23 B one too; tiny on CPU."""
@@ -138,8 +144,7 @@ def timed(plan: Plan, loop: PipelineLoop, batches: list[dict]) -> dict[str, floa
     """`loop` over `batches`: the seconds of its warm-up steps ("warm_s"), per timed step
     ("step_s"), and on a GPU the share of PROFILED_STEPS more steps' wall time in which
     the GPU ran anything ("gpu_busy")."""
-    profiled = PROFILED_STEPS if plan.on_gpu else 0
-    steps: Iterator[Any] = loop.steps(batches, plan.warmup + plan.steps + profiled)
+    steps: Iterator[Any] = loop.steps(batches, plan.warmup + plan.steps + plan.profiled)
     try:
         start = time.perf_counter()
         for _ in range(plan.warmup):
@@ -151,8 +156,8 @@ def timed(plan: Plan, loop: PipelineLoop, batches: list[dict]) -> dict[str, floa
             next(steps)
         _synchronize(plan)
         out = {"warm_s": warm, "step_s": (time.perf_counter() - start) / plan.steps}
-        if profiled:
-            out["gpu_busy"] = gpu_busy_share(steps, profiled)
+        if plan.profiled:
+            out["gpu_busy"] = gpu_busy_share(steps, plan.profiled)
         return out
     finally:
         steps.close()
@@ -210,8 +215,7 @@ def measure(ctx: Context, plan: Plan) -> list[Row]:
     label = f"{plan.name}, {len(plan.lengths)} lengths {plan.lengths[0]}-{plan.lengths[-1]}"
     ctx.progress(f"{SECTION}: building {plan.name}")
     models = build_models(plan.job, plan.placement)
-    profiled = PROFILED_STEPS if plan.on_gpu else 0
-    batches = microbatches(plan, (plan.warmup + plan.steps + profiled) * plan.job.accumulate)
+    batches = microbatches(plan, (plan.warmup + plan.steps + plan.profiled) * plan.job.accumulate)
     samples = plan.job.accumulate * plan.job.batch
     results: dict[str, dict[str, Any]] = {}
     # Both kinds start warm: the process's first steps (kernels autotuned and cuBLAS plans

@@ -55,7 +55,7 @@ def test_rows_at_tiny_sizes_on_cpu_lanes():
     drafter = rows["drafter graph stage, capture seconds"].extra
     assert drafter["step"] == ["eager"]  # CPU lanes capture nothing
     assert {"capture_attempts", "pool_gb", "policy_choices"} <= set(drafter)
-    assert "graph stages, GPU busy" not in rows  # the profiler's device activity: a GPU's
+    assert "graph stages, GPU busy" not in rows  # the profiler's device activity: GPU only
 
 
 def test_the_default_gpu_run_leaves_the_section_to_full():
