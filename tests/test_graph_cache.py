@@ -128,6 +128,7 @@ class FakeCuda:
         self.fail_at = None
         self.quiet = True
         self.host_ms = 1e6  # each timed warm-up call's launch: host-bound unless a test says
+        self.device_busy = None  # NVML's busy share of the device: unknown unless a test says
         self.clock = 0.0
         self.made = 0
         self.generator_capturing = False
@@ -193,6 +194,7 @@ def cuda(monkeypatch):
     monkeypatch.setattr(_cuda_capture, "end_generator_capture", fake.end_generator_capture)
     monkeypatch.setattr(_cuda_capture, "launch_marker", fake.launch)
     monkeypatch.setattr(_cuda_capture, "empty_cache", fake.allocator.empty_cache)
+    monkeypatch.setattr(_cuda_capture, "device_busy", lambda device: fake.device_busy)
     monkeypatch.setattr(policy, "perf_counter", fake.tick)
     # The capture's mechanics first: no eager call timed before (the tests of that set it).
     monkeypatch.setattr(lane_cache, "PROBE_AT", 0)
@@ -517,6 +519,28 @@ def test_a_key_whose_eager_call_is_launch_bound_is_captured_after_it(cuda, monke
     assert counted == ["k", "k"]
     s = cache.stats()["lanes"][LANE.label]
     assert (s["capture_attempts"], s["eager_runs"], s["policy_choices"]) == (1, 2, {})
+
+
+@pytest.mark.parametrize(("busy", "captured"), [(0.99, False), (0.95, False), (0.94, True)])
+def test_a_launch_bound_call_on_a_device_busy_all_the_time_is_gpu_bound(
+    cuda, monkeypatch, busy, captured
+):
+    """Note [A policy for the whole step]: the host launches "k" for 1000 s against 10 ms
+    of GPU time, but its device ran kernels `busy` of NVML's last sample period: from
+    DEVICE_BUSY (0.95) on, saved launches cannot shorten a step, and it is never captured."""
+    monkeypatch.setattr(lane_cache, "PROBE_AT", 2)
+    _timed(monkeypatch, eager_ms=10.0, graph_ms=1.0)
+    cuda.device_busy = busy
+    cache = GraphCache("stage", warmup=1)
+    lane = cache.lane(LANE)
+    got = _calls(lane, "k", cuda, 4, [])
+    assert [g is not None for g in got] == [False, False, captured, captured]
+    stats = cache.stats()
+    assert stats["lanes"][LANE.label]["capture_attempts"] == int(captured)
+    if not captured:
+        (judged,) = stats["eager_buckets"]
+        assert f"its device ran kernels {busy:.0%} of NVML's last sample period" in judged["reason"]
+        assert (judged["eager_ms"], judged["graph_ms"]) == (10.0, None)
 
 
 @pytest.mark.parametrize(("host_ms", "kept"), [(1e6, True), (9.5, False)])

@@ -6,6 +6,7 @@ The CPU tests run the bucketed path eagerly on CPU lanes; the GPU tests capture 
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 import pydflash
 from pydflash import GraphFallbackWarning, GraphMemoryError, TargetGraphs
+from pydflash.graphs import nvml, policy
 from pydflash.graphs.buckets import Bucket, batch_shape, choose_bucket, ladder
 
 
@@ -605,6 +607,11 @@ def test_gpu_auto_policy_runs_a_gpu_bound_bucket_eagerly_and_keeps_a_launch_boun
         got = heavy.submit(lane, {"x": x_heavy}).wait_stream()
         torch.testing.assert_close(got, _gpu_bound(weight)({"x": x_heavy}), rtol=2e-2, atol=2e-2)
         heavy.release(got)
+    torch.cuda.synchronize()
+    # The light forward alone: on a device its matmuls keep busy, NVML says so and it
+    # would be judged GPU-bound too (the next test).
+    assert _until_the_device_idles(0)
+    for _ in range(5):
         light.release(light.submit(lane, {"x": x_light}).wait_stream())
     torch.cuda.synchronize()
     (judged,) = heavy.stats()["eager_buckets"]
@@ -619,3 +626,39 @@ def test_gpu_auto_policy_runs_a_gpu_bound_bucket_eagerly_and_keeps_a_launch_boun
     assert light.stats()["eager_buckets"] == []
     light_lane = light.stats()["lanes"][lane.label]  # 2 eager calls, the second timed
     assert (light_lane["eager_runs"], light_lane["replays"]) == (2, 3), light_lane
+
+
+def _until_the_device_idles(device, timeout=5.0):
+    """Waits until NVML's sample period (1/6 s to 1 s) shows `device` busy less than
+    DEVICE_BUSY; True then, or where NVML cannot say."""
+    deadline = time.monotonic() + timeout
+    while (share := nvml.busy_share(device)) is not None and share >= policy.DEVICE_BUSY:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@gpu
+def test_gpu_auto_policy_captures_nothing_on_a_device_another_lane_keeps_busy(gpu_lanes):
+    """Note [A policy for the whole step]: a launch-bound forward on a device that the
+    other lane keeps running a kernel: NVML counts the device busy the whole time, saved
+    launches could not shorten anything, and the forward runs eagerly, never captured."""
+    if nvml.busy_share(0) is None:
+        pytest.skip("needs NVML (the driver's libnvidia-ml)")
+    busy, lane = gpu_lanes
+    spin_ns = 4_000_000_000
+    busy.submit(lambda: pydflash._C.busy_wait(torch.cuda.current_stream().cuda_stream, spin_ns))
+    deadline = time.monotonic() + 3
+    while nvml.busy_share(0) < policy.DEVICE_BUSY and time.monotonic() < deadline:
+        time.sleep(0.05)
+    light = TargetGraphs(_launch_bound, lengths=(64,))
+    x = torch.randn(2, 60, 8, device="cuda")
+    for _ in range(5):
+        light.release(light.submit(lane, {"x": x}).wait_stream())
+    torch.cuda.synchronize()  # the spin ends
+    (judged,) = light.stats()["eager_buckets"]
+    assert "of NVML's last sample period" in judged["reason"], judged
+    assert judged["host_ms"] >= 0.9 * judged["eager_ms"], judged  # launch-bound by itself
+    light_lane = light.stats()["lanes"][lane.label]
+    assert (light_lane["capture_attempts"], light_lane["eager_runs"]) == (0, 5), light_lane

@@ -33,6 +33,13 @@ def timing_events() -> tuple[Any, Any]:
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
 
+def device_busy(device: int) -> float | None:
+    """The share of NVML's last sample period in which `device` ran a kernel, or None."""
+    from .nvml import busy_share
+
+    return busy_share(device)
+
+
 def is_capturing() -> bool:
     import torch
 

@@ -20,6 +20,7 @@ from .policy import (
     Policy,
     TimedCall,
     choices,
+    device_saturated,
     eager_cost,
     gpu_bound,
     gpu_bound_eagerly,
@@ -411,7 +412,8 @@ class LaneGraphCache:
         while self.probes and self.probes[0].passed():
             probe = self.probes.pop(0)
             eager_ms, host_ms = probe.read()
-            reason = gpu_bound_eagerly(eager_ms, host_ms, self.owner.gpu_bound_ratio)
+            bound = gpu_bound_eagerly(eager_ms, host_ms, self.owner.gpu_bound_ratio)
+            reason = bound or device_saturated(_cuda_capture.device_busy(self.lane.device_index))
             with self.owner._lock:
                 self.to_time.pop(probe.key, None)
                 if reason is None:

@@ -34,6 +34,7 @@ DEFAULT_GPU_BOUND_RATIO = 0.9
 TIMED_REPLAYS = 2
 PREDICT_AFTER = 2  # keys measured in a pool before the policy predicts for the rest
 PROBE_AT = 2  # the eager call of a key that is timed: its second (the first compiles); 0: none
+DEVICE_BUSY = 0.95  # a device busy this share of the time (NVML) gains nothing from graphs
 
 # Note [A policy for the whole step]: a graph saves the host the time to launch a call
 # and costs its capture (warm-up calls, then the capture, with the device's other lanes
@@ -51,6 +52,13 @@ PROBE_AT = 2  # the eager call of a key that is timed: its second (the first com
 #   launched it in less than `gpu_bound_ratio` of its GPU time, the GPU limits the call
 #   (`gpu_bound_eagerly`): it is never warmed up nor captured, and runs eagerly and
 #   unpadded, at no cost beyond two events;
+# - so is a key whose timed call looks launch-bound on a device that ran kernels at least
+#   DEVICE_BUSY of NVML's last sample period (`device_saturated`): its lane's launches
+#   overlap other lanes' kernels, and a step bound by the device's work gains nothing
+#   from them. On a Qwen3-8B-shaped target beside its drafter (H200, 2026-12-02) the GPU
+#   ran 96-99 % of each step; a target bucket whose launch, slowed by the GIL it shares
+#   with the drafter's thread, came within 0.9 of its GPU time was captured in 1.4 s, its
+#   graph faster than the eager call, and the steps no faster;
 # - a key found launch-bound so is captured, and the last warm-up call is timed again,
 #   from an idle stream, and judged the same way before the capture;
 # - otherwise the graph's first replays are timed; one no faster than `gpu_bound_ratio`
@@ -119,6 +127,17 @@ def gpu_bound_eagerly(eager_ms: float, host_ms: float, ratio: float) -> str | No
     return (
         f"GPU-bound: launching it eagerly took the host {host_ms:.3g} ms, running it the GPU "
         f"{eager_ms:.3g} ms (gpu_bound_ratio={ratio:g})"
+    )
+
+
+def device_saturated(share: float | None, limit: float = DEVICE_BUSY) -> str | None:
+    """Why a launch-bound call is GPU-bound all the same: its device ran kernels `share`
+    of NVML's last sample period, at least `limit`; None where less, or unknown."""
+    if share is None or share < limit:
+        return None
+    return (
+        f"GPU-bound: its device ran kernels {share:.0%} of NVML's last sample period (at "
+        f"least {limit:.0%}): no launch a graph saves can shorten its steps"
     )
 
 
