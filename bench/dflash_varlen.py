@@ -6,12 +6,15 @@ microbatch's length is drawn from ten lengths, 320 to 1024 tokens (mean 573), wi
 example's blocks: a Qwen3-8B-shaped target (transformers' Qwen3 from a config, random
 weights, bf16), the published DFlash drafter (`dflash-b16`: 5 layers, block 16, 256
 anchors), batch 2, accumulation 8, fused AdamW, target and drafter lanes both on cuda:0.
-In one run, on the same models and the same microbatches:
+In one run, on the same target, the same microbatches and each time a fresh drafter of the
+same weights:
 
-- the pipeline with eager stages (`EagerTarget`, `EagerDrafter`), twice: the two runs'
-  difference is the run's own noise;
+- the pipeline with eager stages (`EagerTarget`, `EagerDrafter`);
 - the pipeline with `TargetGraphs` + `DrafterGraphs` (policy "auto": graphs where they
-  pay, Note [A policy for the whole step] in pydflash/graphs/policy.py).
+  pay, Note [A policy for the whole step] in pydflash/graphs/policy.py);
+- the eager stages again: the two eager runs' difference is the run's own noise, and
+  their mean, before and after the graph stages, is the graph stages' baseline (a drift
+  over the run weighs on both sides alike).
 
 Two untimed eager steps come first, so that neither kind pays the process's cold start.
 Each: samples/s over the whole run (50 optimizer steps on a GPU, captures included: what a
@@ -57,9 +60,10 @@ BATCH, ACCUMULATE = 2, 8
 TARGETS = {"qwen3-8b": 36, "qwen3-next-large": 64}  # config: layers (for DFlash's layers)
 TINY_LENGTHS = (12, 16, 20, 24)
 TINY_DRAFTER = DrafterConfig(layers=1, heads=2, head_dim=16, block=4, anchors=4)
-# The eager stages run twice, back to back: their difference is the run's own noise, and
-# the graph stages are set against the mean of the two.
-KINDS = ("eager stages", "eager stages again", "graph stages")
+# The eager stages run before and after the graph stages: their difference is the run's
+# own noise (a drift from run to run included), and the graph stages, in between, are set
+# against the mean of the two.
+KINDS = ("eager stages", "graph stages", "eager stages again")
 RUN_STEPS = 50  # optimizer steps of a run on a GPU, the first ones included
 WARM_START_STEPS = 2  # eager steps before anything is timed: 16 microbatches, most lengths
 PROFILED_STEPS = 2  # on a GPU, after the timed steps: the share of the wall time it was busy
@@ -210,41 +214,49 @@ def _summed(dicts: Iterator[dict[str, int]]) -> dict[str, int]:
     return out
 
 
-def measure(ctx: Context, plan: Plan) -> list[Row]:
-    """Both kinds of stage on one set of models and one list of microbatches."""
-    label = f"{plan.name}, {len(plan.lengths)} lengths {plan.lengths[0]}-{plan.lengths[-1]}"
-    ctx.progress(f"{SECTION}: building {plan.name}")
-    models = build_models(plan.job, plan.placement)
-    batches = microbatches(plan, (plan.warmup + plan.steps + plan.profiled) * plan.job.accumulate)
-    samples = plan.job.accumulate * plan.job.batch
-    results: dict[str, dict[str, Any]] = {}
-    # Both kinds start warm: the process's first steps (kernels autotuned and cuBLAS plans
-    # made per length, the allocator grown) would otherwise count against the first kind.
-    ctx.progress(f"{SECTION}: {plan.name}, warming the process up (untimed)")
-    loop = PipelineLoop(models, plan.placement, plan.job, depth=2)
+def run_kind(
+    plan: Plan, target: torch.nn.Module, batches: list[dict], *, graphs: bool, steps: int = 0
+) -> dict[str, Any]:
+    """A pipeline of eager or graph stages over `batches`, training a fresh drafter (the
+    same weights each time: DrafterGraphs makes its optimizer capturable and installs
+    static gradients, which a later kind must not inherit): `timed`'s figures and, for
+    graph stages, each stage's summary. `steps`: only that many untimed steps."""
+    models = build_models(plan.job, plan.placement, target=target)
+    loop = PipelineLoop(
+        models, plan.placement, plan.job, depth=2, graphs=graphs, drafter_graphs=graphs
+    )
     try:
-        for _ in loop.steps(batches, WARM_START_STEPS):
-            pass
-        _synchronize(plan)
+        if steps:
+            for _ in loop.steps(batches, steps):
+                pass
+            _synchronize(plan)
+            return {}
+        out = timed(plan, loop, batches)
+        if graphs:
+            (target_stats,) = loop.graph_stats()
+            out["target"] = stage_summary(target_stats)
+            out["drafter"] = stage_summary(loop.drafter_graph_stats())
+        return out
     finally:
         loop.close()
-    # Eager first: DrafterGraphs makes the shared optimizer capturable and installs its
-    # static gradients, which the eager stage would then inherit.
+
+
+def measure(ctx: Context, plan: Plan) -> list[Row]:
+    """Every kind of stage against one target and one list of microbatches."""
+    label = f"{plan.name}, {len(plan.lengths)} lengths {plan.lengths[0]}-{plan.lengths[-1]}"
+    ctx.progress(f"{SECTION}: building {plan.name}")
+    target = build_models(plan.job, plan.placement).targets[0]
+    batches = microbatches(plan, (plan.warmup + plan.steps + plan.profiled) * plan.job.accumulate)
+    samples = plan.job.accumulate * plan.job.batch
+    # Every kind starts warm: the process's first steps (kernels autotuned and cuBLAS plans
+    # made per length, the allocator grown) would otherwise count against the first kind.
+    ctx.progress(f"{SECTION}: {plan.name}, warming the process up (untimed)")
+    run_kind(plan, target, batches, graphs=False, steps=WARM_START_STEPS)
+    results: dict[str, dict[str, Any]] = {}
     for kind in KINDS:
-        graphs = kind == "graph stages"
         ctx.progress(f"{SECTION}: {plan.name}, {kind}")
-        loop = PipelineLoop(
-            models, plan.placement, plan.job, depth=2, graphs=graphs, drafter_graphs=graphs
-        )
-        try:
-            results[kind] = timed(plan, loop, batches)
-            if graphs:
-                (target_stats,) = loop.graph_stats()
-                results[kind]["target"] = stage_summary(target_stats)
-                results[kind]["drafter"] = stage_summary(loop.drafter_graph_stats())
-        finally:
-            loop.close()
-    eager, again, graph = (results[k] for k in KINDS)
+        results[kind] = run_kind(plan, target, batches, graphs=kind == "graph stages")
+    eager, graph, again = (results[k] for k in KINDS)
     how = f"{plan.steps} timed steps after {plan.warmup} warm-up steps"
     how += f"; {objective(plan.job.drafter)}"
     total = plan.warmup + plan.steps
@@ -266,7 +278,8 @@ def measure(ctx: Context, plan: Plan) -> list[Row]:
                 "samples/s", note=how, step_s=eager["step_s"]),
         compare(SECTION, f"{label}: eager stages again, samples/s", rate["eager stages again"],
                 "samples/s", "eager stages", rate["eager stages"], step_s=again["step_s"],
-                note="the same stages run again: the ratio is the run's own noise"),
+                note="the same stages run again, after the graph stages: the ratio is the "
+                "run's own noise"),
         compare(SECTION, f"{label}: graph stages, samples/s", rate["graph stages"],
                 "samples/s", both, eager_mean(rate), target="ratio >= 1.0", note=how,
                 step_s=graph["step_s"]),

@@ -61,3 +61,27 @@ def test_rows_at_tiny_sizes_on_cpu_lanes():
 def test_the_default_gpu_run_leaves_the_section_to_full():
     (row,) = dv.run(_ctx(gpus=1))
     assert row.value is None and "--full" in row.note
+
+
+def test_each_kind_trains_a_fresh_drafter_of_the_same_weights_eager_on_both_sides(monkeypatch):
+    pytest.importorskip("transformers")
+    torch.set_num_threads(1)
+    made = []
+
+    class Recording(dv.PipelineLoop):
+        def __init__(self, models, *args, graphs=False, **kwargs):
+            drafter = models.drafters[0]
+            weights = torch.cat([p.detach().flatten() for p in drafter.parameters()])
+            state = dict(models.optimizers[0].state)
+            made.append((graphs, drafter, models.targets[0], weights, state))
+            super().__init__(models, *args, graphs=graphs, **kwargs)
+
+    monkeypatch.setattr(dv, "PipelineLoop", Recording)
+    dv.run(_ctx(steps=1, warmup=1))
+    # The untimed warm start, then eager, graph and eager stages again.
+    assert [graphs for graphs, *_ in made] == [False, False, True, False]
+    drafters = [drafter for _, drafter, *_ in made]
+    assert len({id(d) for d in drafters}) == 4  # none inherits another's optimizer or gradients
+    assert len({id(target) for _, _, target, *_ in made}) == 1
+    assert all(torch.equal(made[0][3], weights) for *_, weights, _ in made)
+    assert all(not state for *_, state in made)  # no optimizer stepped before its run

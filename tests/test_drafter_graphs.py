@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import pydflash
 from pydflash import GraphFallbackWarning, GraphMemoryError
-from pydflash.graphs import lane_cache
+from pydflash.graphs import _cuda_capture, lane_cache
 from pydflash.graphs import lane_graph as graphs
 from pydflash.pipeline.stages import EagerDrafter
 from pydflash.pipeline.stages import drafter_graphs as dg
@@ -263,6 +263,50 @@ def test_replayed_buckets_and_step_train_as_the_eager_drafter_does(lanes, record
     assert stats["captures"] == len(buckets) + 1  # each bucket once, and the step
     assert stats["replays"] == len(data) + 5  # and the step graph, from the second step
     assert (stats["step"], stats["step_eager_runs"], stats["step_replays"]) == ("graph", 1, 5)
+
+
+@pytest.mark.parametrize(
+    ("host_ms", "busy", "captured"), [(1.0, None, True), (0.1, None, False), (1.0, 0.99, False)]
+)
+def test_auto_policy_judges_the_optimizer_step_as_a_bucket(
+    lanes, recorded, monkeypatch, host_ms, busy, captured
+):
+    """Note [A policy for the whole step]: every eager call of this stage ran 0.5 ms on the
+    GPU and took the host `host_ms` to launch, on a device NVML read `busy`. The step, from
+    the third, is timed twice, then captured only where its launch limits it (Note
+    [Capturing a training step]); a GPU-bound step, or one on a busy device, stays eager."""
+    from pydflash.graphs import policy
+
+    monkeypatch.setattr(lane_cache, "PROBE_AT", 2)
+    clock = iter(range(0, 10**6))
+    monkeypatch.setattr(policy, "perf_counter", lambda: next(clock) * host_ms / 1000)
+    monkeypatch.setattr(_cuda_capture, "timing_events", lambda: (_Passed(0.0), _Passed(0.5)))
+    monkeypatch.setattr(_cuda_capture, "device_busy", lambda device: busy)
+    stage, _ = make(DrafterGraphs, lanes, lengths=(16,), accumulate=1)
+    train_steps(stage, microbatches(8), accumulate=1)
+    stats = stage.stats()
+    lane = stats["lanes"][lanes[0].label]
+    # Steps 1-2 eager, 3-4 timed, from 5 the graph.
+    expected = ("graph", 4, 4) if captured else ("eager", 8, 0)
+    assert (lane["step"], lane["step_eager_runs"], lane["step_replays"]) == expected
+    judged = [e["bucket"] for e in stats["eager_buckets"]]
+    assert (dg.STEP in judged) is not captured
+
+
+class _Passed:
+    """A CUDA timing event that has passed, at `at` ms."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def record(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end):
+        return end.at - self.at
 
 
 def test_least_recently_used_graphs_are_evicted(lanes, recorded):
@@ -591,7 +635,7 @@ def test_gpu_an_optimizer_with_host_state_steps_eagerly_beside_replayed_buckets(
 
 
 @pytest.mark.gpu
-def test_gpu_a_dropped_only_bucket_gives_its_pool_bytes_back(gpu_lanes):
+def test_gpu_a_dropped_only_bucket_gives_its_pool_bytes_back(gpu_lanes, monkeypatch):
     """Issue 31: the policy dropped a lane's only bucket graph and its pool kept 13.6 GB.
     A forward that keeps the GPU busy is dropped as GPU-bound; its pool must hold 0 bytes
     after, while the step graph, in a pool of its own, keeps replaying. gpu_bound_ratio=0.01
@@ -608,6 +652,8 @@ def test_gpu_a_dropped_only_bucket_gives_its_pool_bytes_back(gpu_lanes):
             x = torch.tanh(x @ weight)
         return masked_loss(drafter, inputs, lengths) + 0 * x.sum()
 
+    # The device busy with it, NVML would keep it eager (tested in test_graph_cache.py).
+    monkeypatch.setattr(_cuda_capture, "device_busy", lambda device: None)
     stage, _ = make_gpu(DrafterGraphs, gpu_lanes, loss=heavy, lengths=(16,), gpu_bound_ratio=0.01)
     g = torch.Generator().manual_seed(8)
     # One bucket, 2 x 16, seen often enough to be timed eagerly, captured, timed and

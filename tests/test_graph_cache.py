@@ -508,17 +508,40 @@ def test_a_key_whose_eager_call_is_gpu_bound_is_never_warmed_up_nor_captured(cud
     )
 
 
-def test_a_key_whose_eager_call_is_launch_bound_is_captured_after_it(cuda, monkeypatch):
+def test_a_key_whose_eager_calls_are_launch_bound_is_captured_after_them(cuda, monkeypatch):
+    """Calls 2 and 3 of "k" are timed (LAUNCH_BOUND_READINGS=2), both launch-bound: call 4
+    captures it."""
     monkeypatch.setattr(lane_cache, "PROBE_AT", 2)
     _timed(monkeypatch, eager_ms=10.0, graph_ms=1.0)  # the host launches for 1000 s
     cache = GraphCache("stage", warmup=1)
     lane = cache.lane(LANE)
     counted = []
-    got = _calls(lane, "k", cuda, 4, counted)
-    assert [g is not None for g in got] == [False, False, True, True]
-    assert counted == ["k", "k"]
+    got = _calls(lane, "k", cuda, 5, counted)
+    assert [g is not None for g in got] == [False, False, False, True, True]
+    assert counted == ["k"] * 3
     s = cache.stats()["lanes"][LANE.label]
-    assert (s["capture_attempts"], s["eager_runs"], s["policy_choices"]) == (1, 2, {})
+    assert (s["capture_attempts"], s["eager_runs"], s["policy_choices"]) == (1, 3, {})
+
+
+@pytest.mark.parametrize("readings", [(0.5, 0.99), (0.99, 0.5)])
+def test_one_gpu_bound_reading_of_a_key_keeps_it_eager_for_good(cuda, monkeypatch, readings):
+    """The host launches "k" for 1000 s against 10 ms of GPU time, and NVML reads its
+    device busy `readings` at its two timed calls: one reading at or past DEVICE_BUSY
+    suffices (a pipeline starting up reads once as launch-bound), and "k" is never warmed
+    up nor captured."""
+    monkeypatch.setattr(lane_cache, "PROBE_AT", 2)
+    _timed(monkeypatch, eager_ms=10.0, graph_ms=10.0)
+    busy = iter(readings)
+    monkeypatch.setattr(_cuda_capture, "device_busy", lambda device: next(busy))
+    cache = GraphCache("stage", warmup=1)
+    lane = cache.lane(LANE)
+    counted = []
+    assert _calls(lane, "k", cuda, 6, counted) == [None] * 6
+    assert counted == ["k"] * 6
+    stats = cache.stats()
+    assert stats["lanes"][LANE.label]["capture_attempts"] == 0
+    (judged,) = stats["eager_buckets"]
+    assert "its device ran kernels 99% of NVML's last sample period" in judged["reason"]
 
 
 @pytest.mark.parametrize(("busy", "captured"), [(0.99, False), (0.95, False), (0.94, True)])
@@ -533,8 +556,8 @@ def test_a_launch_bound_call_on_a_device_busy_all_the_time_is_gpu_bound(
     cuda.device_busy = busy
     cache = GraphCache("stage", warmup=1)
     lane = cache.lane(LANE)
-    got = _calls(lane, "k", cuda, 4, [])
-    assert [g is not None for g in got] == [False, False, captured, captured]
+    got = _calls(lane, "k", cuda, 5, [])
+    assert [g is not None for g in got] == [False, False, False, captured, captured]
     stats = cache.stats()
     assert stats["lanes"][LANE.label]["capture_attempts"] == int(captured)
     if not captured:

@@ -14,6 +14,7 @@ from ..errors import GraphMemoryError
 from . import _cuda_capture, lane_graph
 from .policy import (
     CHOSEN,
+    LAUNCH_BOUND_READINGS,
     PROBE_AT,
     TIMED_REPLAYS,
     NotWorthCapturing,
@@ -76,12 +77,12 @@ class LaneGraphCache:
         self.eager: dict[Hashable, tuple[str, str]] = {}  # key -> (kind, detail)
         self.tries: dict[Hashable, int] = {}  # key -> failed attempts of a RETRIED kind
         self.seen: dict[Hashable, int] = {}  # key -> calls of get_or_capture
-        # Policy.AUTO's eager timing of new keys (Note [A policy for the whole step]): key ->
+        # Policy.AUTO's eager timing of keys (Note [A policy for the whole step]): key ->
         # (pool, label) while its eager call is to be timed, the timed calls not read yet,
-        # and the keys whose timed call was launch-bound (worth a capture).
+        # and per key the timed calls that found it launch-bound (LAUNCH_BOUND_READINGS).
         self.to_time: dict[Hashable, tuple[str, Any]] = {}
         self.probes: list[TimedCall] = []
-        self.launch_bound: set[Hashable] = set()
+        self.launch_bound: dict[Hashable, int] = {}
         self.retiring: list[Pool] = []  # pools whose graphs are all gone
         # pool name -> [keys judged (by an eager call or a graph), of which GPU-bound]
         self.measured: dict[str, list[int]] = {}
@@ -146,8 +147,8 @@ class LaneGraphCache:
 
     def run_eagerly(self, key: Hashable, call: Callable[[], Any]) -> Any:
         """call(): `key`'s eager, unpadded call, where get_or_capture gave None. Under
-        Policy.AUTO, a key still to be judged has its PROBE_AT-th call timed (Note [A policy
-        for the whole step])."""
+        Policy.AUTO, a key still to be judged has its calls from the PROBE_AT-th on timed,
+        one at a time (Note [A policy for the whole step])."""
         with self.owner._lock:
             where = self.to_time.get(key)
             due = where is not None and self.seen.get(key, 0) >= PROBE_AT
@@ -232,9 +233,8 @@ class LaneGraphCache:
             kind, detail = chosen or self.eager.get(key, ("policy", ""))
             if kind in CHOSEN:
                 self.eager_runs += 1  # the policy's choice, not a fallback
-                return None
+                return
         self.owner._fell_back(self, kind, detail)
-        return None
 
     def _not_worth_it(
         self, key: Hashable, seen: int, pool: str, ahead: bool, label: Any, timed: bool
@@ -253,11 +253,12 @@ class LaneGraphCache:
                 self.eager[key] = why  # for good: neither comes back
                 return why
             savings, costs = self.savings.get(pool, []), self.costs.get(pool, [])
-            if PROBE_AT and not ahead and timed and key not in self.launch_bound:
+            judged = self.launch_bound.get(key, 0) >= LAUNCH_BOUND_READINGS
+            if PROBE_AT and not ahead and timed and not judged:
                 self.to_time[key] = (pool, label)
                 return (
                     "timed first",
-                    f"its call {PROBE_AT} runs eagerly, timed, before any capture",
+                    f"its calls from {PROBE_AT} on run eagerly, timed, until judged",
                 )
         if ahead:
             return None
@@ -415,9 +416,9 @@ class LaneGraphCache:
             bound = gpu_bound_eagerly(eager_ms, host_ms, self.owner.gpu_bound_ratio)
             reason = bound or device_saturated(_cuda_capture.device_busy(self.lane.device_index))
             with self.owner._lock:
-                self.to_time.pop(probe.key, None)
+                self.to_time.pop(probe.key, None)  # its next call, if still to judge: timed again
                 if reason is None:
-                    self.launch_bound.add(probe.key)
+                    self.launch_bound[probe.key] = self.launch_bound.get(probe.key, 0) + 1
             if reason is not None:
                 self._judged(probe.key, probe.label, probe.pool, reason, eager_ms, host_ms, None)
 

@@ -34,6 +34,7 @@ DEFAULT_GPU_BOUND_RATIO = 0.9
 TIMED_REPLAYS = 2
 PREDICT_AFTER = 2  # keys measured in a pool before the policy predicts for the rest
 PROBE_AT = 2  # the eager call of a key that is timed: its second (the first compiles); 0: none
+LAUNCH_BOUND_READINGS = 2  # timed eager calls that must all find a key launch-bound
 DEVICE_BUSY = 0.95  # a device busy this share of the time (NVML) gains nothing from graphs
 
 # Note [A policy for the whole step]: a graph saves the host the time to launch a call
@@ -59,6 +60,13 @@ DEVICE_BUSY = 0.95  # a device busy this share of the time (NVML) gains nothing 
 #   ran 96-99 % of each step; a target bucket whose launch, slowed by the GIL it shares
 #   with the drafter's thread, came within 0.9 of its GPU time was captured in 1.4 s, its
 #   graph faster than the eager call, and the steps no faster;
+# - a key is found launch-bound only by LAUNCH_BOUND_READINGS timed eager calls in a row
+#   (its PROBE_AT-th and the next ones), each judged so; one GPU-bound reading settles it.
+#   A reading is a sample of a moving quantity (the GIL's other holders, the other lanes'
+#   phase, NVML's period), and a wrong capture costs warm-up calls and a pause of the
+#   device's other lanes, where a missed one costs an eager call: in that H200 run, a
+#   target bucket read launch-bound once, and its warm-up then found it GPU-bound (0.24 s
+#   of warm-up calls spent for nothing);
 # - a key found launch-bound so is captured, and the last warm-up call is timed again,
 #   from an idle stream, and judged the same way before the capture;
 # - otherwise the graph's first replays are timed; one no faster than `gpu_bound_ratio`

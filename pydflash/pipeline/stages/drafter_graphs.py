@@ -37,7 +37,10 @@ is captured the first time a microbatch of that bucket reaches a replica: `warmu
 forward/backward passes (lazy initialisation, autotuning), then the capture, which runs
 nothing; the gradients the warm-up added are restored, and the graph replays the real
 microbatch. The step graph is captured at the second step: the first runs eagerly and
-creates the optimizer's state outside any graph. It lives in a memory pool of its own
+creates the optimizer's state outside any graph. Under policy "auto" the step is judged as
+a bucket is (Note [A policy for the whole step]): its eager steps are timed from the
+third, and it is captured only where the host, not the GPU, limits it; a large drafter's
+fused AdamW, GPU-bound, keeps stepping eagerly. It lives in a memory pool of its own
 ("optimizer step"), so a lane whose bucket graphs the policy all dropped gives their pool
 back (Note [Giving a pool back] in pydflash/graphs/cache.py). Autocast's weight cache is
 off while the loss is warmed up and captured (a `torch.autocast` inside the loss inherits
@@ -384,18 +387,19 @@ class DrafterGraphs(DrafterStage):
     def _apply(self, replica: int, rep: _Replica) -> None:
         """Clipping, the optimizer step and zeroed gradients: replayed, or eagerly."""
         restore_tensor_hypers(rep.tensor_hypers)
+        body = partial(self._step_body, replica, rep)
         if _captures(rep.lane) and rep.stepped and self._step_capturable(replica, rep):
             cache = self._graphs.lane(rep.lane)
             hypers = plain_hypers(self.training.optimizers[replica])
             if rep.step_hypers is None or hypers == rep.step_hypers:
+                # Under "auto" the step is judged as a bucket is: its eager calls timed
+                # first, captured only where the host limits it.
                 entry = cache.get_or_capture(
                     STEP,
-                    lambda: ((lambda: self._step_body(replica, rep)), None),
+                    lambda: (body, None),
                     label=STEP,
                     pool=STEP,  # its own: bucket graphs dropped give their pool back
-                    warmup=0,  # the first, eager step was the warm-up
-                    timed=False,  # a replay must not be repeated to be timed
-                    ahead=True,  # every step runs it
+                    warmup=0,  # the first, eager step was the warm-up; none may repeat it
                 )
                 if entry is not None:
                     rep.step_hypers = hypers
@@ -408,7 +412,9 @@ class DrafterGraphs(DrafterStage):
                     "an optimizer hyperparameter that is not a tensor changed after the "
                     "step was captured; the step runs eagerly (make it a tensor to change it)",
                 )
-        self._step_body(replica, rep)
+            cache.run_eagerly(STEP, body)
+        else:
+            body()
         rep.stepped = True
         rep.step_eager_runs += 1
 

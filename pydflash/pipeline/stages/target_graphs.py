@@ -23,9 +23,10 @@ the others find warm caches. The capture itself pauses the device's other lanes 
 Note [When graphs pay]: a graph saves the host's launch time, nothing on the GPU. A
 forward that keeps the GPU busy without it (a 25 B target at 512 to 2048 tokens: 190 ms of
 kernels per microbatch) gains nothing, and padding costs it compute. So with policy
-"auto" a bucket's second eager call is timed where it runs, on the GPU (CUDA events, read
-once passed: no host sync) and on the host: where the host launched it in less than
-`gpu_bound_ratio` of its GPU time, it is never captured; otherwise its last warm-up call is
+"auto" a bucket's second and third eager calls are timed where they run, on the GPU (CUDA
+events, read once passed: no host sync) and on the host: where the host launched one in
+less than `gpu_bound_ratio` of its GPU time, or its device was busy anyway (NVML), it is
+never captured; otherwise its last warm-up call is
 judged the same way, then the graph's first replays are timed, and a bucket whose graph
 takes at least `gpu_bound_ratio` of the eager call's cost runs eagerly and unpadded from
 then on (`stats()["eager_buckets"]`; Note [A policy for the
