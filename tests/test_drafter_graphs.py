@@ -18,11 +18,12 @@ import torch.nn.functional as F
 
 import pydflash
 from pydflash import GraphFallbackWarning, GraphMemoryError
-from pydflash.graphs import _cuda_capture, lane_cache
+from pydflash.graphs import _cuda_capture, lane_cache, policy
 from pydflash.graphs import lane_graph as graphs
 from pydflash.pipeline.stages import EagerDrafter
 from pydflash.pipeline.stages import drafter_graphs as dg
 from pydflash.pipeline.stages.drafter_graphs import DrafterGraphs
+from tests.test_graph_cache import FakeEvent
 
 VOCAB, WIDTH = 11, 8
 
@@ -275,12 +276,10 @@ def test_auto_policy_judges_the_optimizer_step_as_a_bucket(
     GPU and took the host `host_ms` to launch, on a device NVML read `busy`. The step, from
     the third, is timed twice, then captured only where its launch limits it (Note
     [Capturing a training step]); a GPU-bound step, or one on a busy device, stays eager."""
-    from pydflash.graphs import policy
-
     monkeypatch.setattr(lane_cache, "PROBE_AT", 2)
     clock = iter(range(0, 10**6))
     monkeypatch.setattr(policy, "perf_counter", lambda: next(clock) * host_ms / 1000)
-    monkeypatch.setattr(_cuda_capture, "timing_events", lambda: (_Passed(0.0), _Passed(0.5)))
+    monkeypatch.setattr(_cuda_capture, "timing_events", lambda: (FakeEvent(0.0), FakeEvent(0.5)))
     monkeypatch.setattr(_cuda_capture, "device_busy", lambda device: busy)
     stage, _ = make(DrafterGraphs, lanes, lengths=(16,), accumulate=1)
     train_steps(stage, microbatches(8), accumulate=1)
@@ -291,22 +290,6 @@ def test_auto_policy_judges_the_optimizer_step_as_a_bucket(
     assert (lane["step"], lane["step_eager_runs"], lane["step_replays"]) == expected
     judged = [e["bucket"] for e in stats["eager_buckets"]]
     assert (dg.STEP in judged) is not captured
-
-
-class _Passed:
-    """A CUDA timing event that has passed, at `at` ms."""
-
-    def __init__(self, at):
-        self.at = at
-
-    def record(self):
-        pass
-
-    def query(self):
-        return True
-
-    def elapsed_time(self, end):
-        return end.at - self.at
 
 
 def test_least_recently_used_graphs_are_evicted(lanes, recorded):
