@@ -51,7 +51,7 @@ from bench.common import Context, Row, compare, not_run
 from bench.harness import objective
 from examples.dflash.data import MarkovTokens
 from examples.dflash.hf import HFTargetConfig, dflash_layers
-from examples.dflash.loops import Job, PipelineLoop, Placement, build_models
+from examples.dflash.loops import Job, Models, PipelineLoop, Placement, build_models
 from examples.dflash.models import DFLASH_B16, DrafterConfig
 
 SECTION = "dflash_varlen"
@@ -215,13 +215,11 @@ def _summed(dicts: Iterator[dict[str, int]]) -> dict[str, int]:
 
 
 def run_kind(
-    plan: Plan, target: torch.nn.Module, batches: list[dict], *, graphs: bool, steps: int = 0
+    plan: Plan, models: Models, batches: list[dict], *, graphs: bool, steps: int = 0
 ) -> dict[str, Any]:
-    """A pipeline of eager or graph stages over `batches`, training a fresh drafter (the
-    same weights each time: DrafterGraphs makes its optimizer capturable and installs
-    static gradients, which a later kind must not inherit): `timed`'s figures and, for
-    graph stages, each stage's summary. `steps`: only that many untimed steps."""
-    models = build_models(plan.job, plan.placement, target=target)
+    """A pipeline of eager or graph stages training `models` over `batches`: `timed`'s
+    figures and, for graph stages, each stage's summary. `steps`: only that many untimed
+    steps."""
     loop = PipelineLoop(
         models, plan.placement, plan.job, depth=2, graphs=graphs, drafter_graphs=graphs
     )
@@ -245,17 +243,23 @@ def measure(ctx: Context, plan: Plan) -> list[Row]:
     """Every kind of stage against one target and one list of microbatches."""
     label = f"{plan.name}, {len(plan.lengths)} lengths {plan.lengths[0]}-{plan.lengths[-1]}"
     ctx.progress(f"{SECTION}: building {plan.name}")
-    target = build_models(plan.job, plan.placement).targets[0]
+    models = build_models(plan.job, plan.placement)
     batches = microbatches(plan, (plan.warmup + plan.steps + plan.profiled) * plan.job.accumulate)
     samples = plan.job.accumulate * plan.job.batch
     # Every kind starts warm: the process's first steps (kernels autotuned and cuBLAS plans
     # made per length, the allocator grown) would otherwise count against the first kind.
     ctx.progress(f"{SECTION}: {plan.name}, warming the process up (untimed)")
-    run_kind(plan, target, batches, graphs=False, steps=WARM_START_STEPS)
+    run_kind(plan, models, batches, graphs=False, steps=WARM_START_STEPS)
+    target = models.targets[0]
+    del models  # its drafter: every kind trains a fresh one
     results: dict[str, dict[str, Any]] = {}
     for kind in KINDS:
         ctx.progress(f"{SECTION}: {plan.name}, {kind}")
-        results[kind] = run_kind(plan, target, batches, graphs=kind == "graph stages")
+        # The same weights each time: DrafterGraphs makes its optimizer capturable and
+        # installs static gradients, which a later kind must not inherit.
+        fresh = build_models(plan.job, plan.placement, target=target)
+        results[kind] = run_kind(plan, fresh, batches, graphs=kind == "graph stages")
+        del fresh  # before the next kind's is built
     eager, graph, again = (results[k] for k in KINDS)
     how = f"{plan.steps} timed steps after {plan.warmup} warm-up steps"
     how += f"; {objective(plan.job.drafter)}"
@@ -289,7 +293,7 @@ def measure(ctx: Context, plan: Plan) -> list[Row]:
     if "gpu_busy" in graph:
         rows.append(
             compare(SECTION, f"{label}: graph stages, GPU busy", graph["gpu_busy"], "share",
-                    "eager stages, mean of 2 runs", eager_mean(
+                    both, eager_mean(
                         {k: r["gpu_busy"] for k, r in results.items()}),
                     note=f"the share of {PROFILED_STEPS} profiled steps' wall time in which "
                     "the GPU ran anything; near 1.0, no stage can make a step faster")

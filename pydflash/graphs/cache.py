@@ -34,8 +34,8 @@ In order:
    a timed warm-up, its first TIMED_REPLAYS replays are timed with CUDA events, read by
    a later `get_or_capture` once the GPU passed them (no host sync): a graph taking at
    least `gpu_bound_ratio` of the eager call's cost is dropped, and
-   `stats()["eager_buckets"]` lists it. Pass timed=False where a replay must not repeat
-   work (an optimizer step).
+   `stats()["eager_buckets"]` lists it. A key got with timed=False is neither timed nor
+   judged, eagerly or as a graph: once captured, it stays.
 6. A pool whose graphs are all gone (the policy, the memory cap, evictions, `refuse`)
    gives its memory back (Note [Giving a pool back] in pydflash/graphs/pools.py).
 Besides: `lc.fall_back(kind, detail)` counts an eager run that no key serves;

@@ -55,7 +55,7 @@ def _handle(device: int) -> ctypes.c_void_p | None:
             if not uuid.startswith(("GPU-", "MIG-")):
                 uuid = f"GPU-{uuid}"
             found = ctypes.c_void_p()
-            if _library.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(found)) == 0:
+            if _library.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(found)) == _SUCCESS:
                 handle = found
         _handles[device] = handle
         return handle

@@ -26,11 +26,10 @@ kernels per microbatch) gains nothing, and padding costs it compute. So with pol
 "auto" a bucket's second and third eager calls are timed where they run, on the GPU (CUDA
 events, read once passed: no host sync) and on the host: where the host launched one in
 less than `gpu_bound_ratio` of its GPU time, or its device was busy anyway (NVML), it is
-never captured; otherwise its last warm-up call is
-judged the same way, then the graph's first replays are timed, and a bucket whose graph
-takes at least `gpu_bound_ratio` of the eager call's cost runs eagerly and unpadded from
-then on (`stats()["eager_buckets"]`; Note [A policy for the
-whole step] in pydflash/graphs/policy.py).
+never captured; otherwise its last warm-up call is judged the same way, then the graph's
+first replays are timed, and a bucket whose graph takes at least `gpu_bound_ratio` of the
+eager call's cost runs eagerly and unpadded from then on (`stats()["eager_buckets"]`;
+Note [A policy for the whole step] in pydflash/graphs/policy.py).
 `stats()["padding_waste"]` is the fraction of processed tokens that were padding.
 
 Fallback: when no graph can serve (a length above the largest bucket, a capture that
