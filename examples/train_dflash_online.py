@@ -42,10 +42,14 @@ runs it too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gc
 import json
 import os
 import sys
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -324,15 +328,48 @@ def main(argv: list[str] | None = None) -> int:
         run = make_run(args, job, steps, rank, world)
     except dflash.cli.USER_ERRORS as exc:
         build_parser().error(str(exc))
-    ddp = world > 1
-    if ddp:
-        if args.check:
-            raise SystemExit("--check compares single-process runs; run it without torchrun")
-        on_gpu = placement.drafters[0].startswith("cuda")
-        if on_gpu:
-            torch.cuda.set_device(placement.drafters[0])
-        dist.init_process_group("nccl" if on_gpu else "gloo")
-    run.ddp = ddp
+    if world == 1:
+        return train_and_report(args, job, placement, run, rank, world)
+    if args.check:
+        raise SystemExit("--check compares single-process runs; run it without torchrun")
+    run.ddp = True
+    on_gpu = placement.drafters[0].startswith("cuda")
+    if on_gpu:
+        torch.cuda.set_device(placement.drafters[0])
+    with process_group("nccl" if on_gpu else "gloo"):
+        return train_and_report(args, job, placement, run, rank, world)
+
+
+@contextlib.contextmanager
+def process_group(backend: str) -> Iterator[None]:
+    """The default process group, for a block that holds every DDP drafter it makes.
+
+    The drafters must be gone before the group is destroyed. torch releases a group from
+    Python with the GIL dropped, but a DDP reducer releases its reference with the GIL
+    held; gloo's destructor then joins its worker threads, and a worker that is freeing
+    the last all-reduce (whose saved thread state holds a Python object) waits for the
+    GIL: a hang at exit (examples/README.md)."""
+    dist.init_process_group(backend)
+    try:
+        yield
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)  # the failed frames' locals hold the models
+        raise
+    finally:
+        gc.collect()  # and a reference cycle may
+        dist.destroy_process_group()
+
+
+def train_and_report(
+    args: argparse.Namespace,
+    job: dflash.loops.Job,
+    placement: dflash.loops.Placement,
+    run: dflash.training.Run,
+    rank: int,
+    world: int,
+) -> int:
+    """Trains, checks (--check) and writes the results; the exit status. The models live
+    only in this call (see process_group)."""
     if rank == 0 and job.samples is not None:
         dflash.training.log(
             f"{args.data}: {len(job.samples)} samples, {job.data(args.seed).per_epoch} "
@@ -348,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         outcome = dflash.training.train("sequential", job, placement, reference)
         curves = {"sequential": [sum(s) / len(s) for s in outcome.losses], **curves}
         # A padded drafter (--drafter-graphs) equals the loop up to rounding, not bitwise.
+        pin = any(d.startswith("cuda") for d in placement.lanes)
         exact = not pin and not args.drafter_graphs
         rtol = dflash.metrics.FP32_RTOL if not pin else dflash.metrics.BF16_RTOL
         ok, check_line = dflash.metrics.compare(
@@ -360,8 +398,6 @@ def main(argv: list[str] | None = None) -> int:
         run.scalars.close()
     if outcome.losses:
         write_results(args, job, placement, outcome, curves, rank, world, check_line)
-    if ddp:
-        dist.destroy_process_group()
     return status
 
 

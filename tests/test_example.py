@@ -4,11 +4,13 @@ drafter, the three training loops agreeing, the CLI, and a DDP drafter under tor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -365,3 +367,45 @@ def test_torchrun_trains_one_ddp_drafter_across_two_processes(tmp_path, flags):
     for rank, summary in enumerate(ranks):
         first = reference[0][rank::world]
         torch.testing.assert_close(summary["losses"][0], first, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fails", [False, True], ids=["trains", "raises"])
+def test_ddp_drafters_are_freed_before_the_process_group_is_destroyed(tmp_path, monkeypatch, fails):
+    # A DDP reducer releases the group with the GIL held, and gloo's destructor joins
+    # workers that may need the GIL (process_group's docstring): a rare hang under torchrun,
+    # so this checks the order instead. One process stands in for rank 0 of two.
+    from examples import train_dflash_online as script
+
+    alive: weakref.WeakSet = weakref.WeakSet()
+
+    class TrackedDDP(torch.nn.parallel.DistributedDataParallel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            alive.add(self)
+
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    init, destroy = torch.distributed.init_process_group, torch.distributed.destroy_process_group
+    at_destroy = []
+
+    def destroy_and_count():
+        at_destroy.append(len(alive))
+        destroy()
+
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", TrackedDDP)
+    monkeypatch.setattr(
+        torch.distributed,
+        "init_process_group",
+        lambda backend: init(backend, store=store, rank=0, world_size=1),
+    )
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", destroy_and_count)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    if fails:  # the failed frames keep their locals in the traceback
+        monkeypatch.setattr(script, "write_results", lambda *a: 1 / 0)
+    argv = ["--tiny", "--steps", "2", "--devices", "cpu", "--no-plot", "--out", str(tmp_path)]
+    with pytest.raises(ZeroDivisionError) if fails else contextlib.nullcontext():
+        assert script.main(argv) == 0
+    assert at_destroy == [0]
+    assert not torch.distributed.is_initialized()
