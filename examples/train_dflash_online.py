@@ -323,21 +323,19 @@ def main(argv: list[str] | None = None) -> int:
     local_rank = int(os.environ["LOCAL_RANK"]) if world > 1 else None
     try:  # what a user's flags and files get wrong ends in the usage line, with the reason
         placement = default_placement(args, local_rank)
-        pin = any(d.startswith("cuda") for d in placement.lanes)
-        job, steps = make_job(args, on_gpu=pin)
+        job, steps = make_job(args, on_gpu=placement.on_gpu)
         run = make_run(args, job, steps, rank, world)
     except dflash.cli.USER_ERRORS as exc:
         build_parser().error(str(exc))
     if world == 1:
-        return train_and_report(args, job, placement, run, rank, world)
+        return train_and_report(args, job, placement, run)
     if args.check:
         raise SystemExit("--check compares single-process runs; run it without torchrun")
-    run.ddp = True
     on_gpu = placement.drafters[0].startswith("cuda")
     if on_gpu:
         torch.cuda.set_device(placement.drafters[0])
     with process_group("nccl" if on_gpu else "gloo"):
-        return train_and_report(args, job, placement, run, rank, world)
+        return train_and_report(args, job, placement, run)
 
 
 @contextlib.contextmanager
@@ -365,12 +363,10 @@ def train_and_report(
     job: dflash.loops.Job,
     placement: dflash.loops.Placement,
     run: dflash.training.Run,
-    rank: int,
-    world: int,
 ) -> int:
     """Trains, checks (--check) and writes the results; the exit status. The models live
     only in this call (see process_group)."""
-    if rank == 0 and job.samples is not None:
+    if run.rank == 0 and job.samples is not None:
         dflash.training.log(
             f"{args.data}: {len(job.samples)} samples, {job.data(args.seed).per_epoch} "
             f"microbatches per epoch, padding {job.data(args.seed).padding_waste():.1%} of tokens"
@@ -385,9 +381,8 @@ def train_and_report(
         outcome = dflash.training.train("sequential", job, placement, reference)
         curves = {"sequential": [sum(s) / len(s) for s in outcome.losses], **curves}
         # A padded drafter (--drafter-graphs) equals the loop up to rounding, not bitwise.
-        pin = any(d.startswith("cuda") for d in placement.lanes)
-        exact = not pin and not args.drafter_graphs
-        rtol = dflash.metrics.FP32_RTOL if not pin else dflash.metrics.BF16_RTOL
+        exact = not placement.on_gpu and not args.drafter_graphs
+        rtol = dflash.metrics.BF16_RTOL if placement.on_gpu else dflash.metrics.FP32_RTOL
         ok, check_line = dflash.metrics.compare(
             outcome.losses, other.losses, other.mode, exact, rtol
         )
@@ -397,7 +392,7 @@ def train_and_report(
     if run.scalars is not None:
         run.scalars.close()
     if outcome.losses:
-        write_results(args, job, placement, outcome, curves, rank, world, check_line)
+        write_results(args, job, placement, outcome, curves, run.rank, run.world, check_line)
     return status
 
 

@@ -60,6 +60,11 @@ class Placement:
     def lanes(self) -> list[str]:
         return list(self.targets + self.drafters)
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether any lane is a GPU's (batches pinned, the target in bf16)."""
+        return any(d.startswith("cuda") for d in self.lanes)
+
 
 @dataclass(frozen=True)
 class Job:

@@ -28,9 +28,8 @@ class Run:
 
     steps: int  # the run's total optimizer steps
     depth: int
-    ddp: bool = False
     rank: int = 0
-    world: int = 1
+    world: int = 1  # processes under torchrun; above 1, the drafter is a DDP module
     log_every: int = 10
     trace: Path | None = None
     graphs: bool = False
@@ -73,10 +72,10 @@ def train(mode: str, job: loops.Job, placement: loops.Placement, run: Run) -> Ou
     """Trains with `mode`'s loop, segment by segment with a checkpoint after each, from
     the checkpoint `run.resume` if given; rank 0 logs and shows a progress bar."""
     verbose = run.rank == 0
-    models = loops.build_models(job, placement, ddp=run.ddp)
+    models = loops.build_models(job, placement, ddp=run.world > 1)
     start = 0 if run.resume is None else checkpoint.restore(run.resume, models)
     data = job.data(seed=job.seed)
-    pin = any(d.startswith("cuda") for d in placement.lanes)
+    pin = placement.on_gpu
     warm = job.data(seed=job.seed + 1).batch(0)
     loop = None
     if mode == "pipeline":
